@@ -1,0 +1,36 @@
+# The two commands of the README: `make run` (quick start) and `make test` (default test suite).
+# Both install first; install is idempotent and returns in seconds when nothing changed.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= cpu
+export VLLM_TARGET_DEVICE ?= cpu
+export RAY_USAGE_STATS_ENABLED := 0
+export PYTHONWARNINGS ?= ignore::DeprecationWarning
+CONFIG ?= configs/quickstart.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-all lint bench clean
+
+install:
+	@bash scripts/install.sh
+
+run: install
+	$(PY) -m asyncrl.launch --config $(CONFIG) $(ARGS)
+
+test: install
+	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: install
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check asyncrl tests scripts
+
+bench: install
+	$(PY) -m asyncrl.bench $(or $(SCENARIO),buffer) --config $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf runs bench .pytest_cache

@@ -1,0 +1,37 @@
+"""`python -m asyncrl.launch --config X.yaml [key.sub=value ...]`: run an asyncrl training job.
+
+The config is parsed and validated before anything heavy is imported, so `--help`,
+`--print-config` and config errors answer at once (exit status 2 for a config error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from asyncrl.cli import add_config_args, config_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncrl.launch",
+        description="Train a policy with asynchronous guided GRPO (rollout fleet + replay buffer + learner).",
+    )
+    add_config_args(parser)
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args, require_files=not args.print_config)
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+    from asyncrl.runtime import run  # heavy imports (ray, torch) start here
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

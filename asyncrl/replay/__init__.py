@@ -1,0 +1,1 @@
+"""ZeroMQ replay buffer: server, clients, staleness-bounded admission and delivery, snapshots."""

@@ -1,0 +1,1 @@
+"""Built-in tasks with rule verifiers (the offline quick-start world `arith`)."""
