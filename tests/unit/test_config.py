@@ -1,0 +1,186 @@
+"""The config tree: every shipped config validates; defaults < file < overrides; each error class
+gives a message naming the key (and exit status 2 through the CLI); Guided-GRPO YAMLs load through
+the key map; importing the config loads no torch/ray/vllm."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import (
+    GUIDED_GRPO_KEY_MAP,
+    Config,
+    ConfigError,
+    check_files,
+    from_guided_grpo,
+    load_config,
+    parse_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_validates(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("#"), f"{path.name} must start with a comment saying what it trains"
+    assert "Command:" in path.read_text() and "Hardware:" in path.read_text()
+
+
+def test_quickstart_files_exist_when_assets_are_built() -> None:
+    cfg = load_config(ROOT / "configs/quickstart.yaml")
+    if not (ROOT / cfg.model.path).exists():
+        pytest.skip("tiny policy not built yet")
+    assert check_files(cfg) == []
+
+
+def test_overrides_scalars_lists_nested_and_precedence(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout: {n: 4, temperature: 0.7}\nlearner: {optim: {lr: 1.0e-5}}\n")
+    cfg = load_config(f, ["rollout.n=6", "learner.optim.lr=2e-6", "trainer.logger=[console, wandb]",
+                          "learner.optim.betas=[0.9, 0.95]", "rollout.guide.train_scope=full_turn"])
+    assert cfg.rollout.n == 6  # override beats file
+    assert cfg.rollout.temperature == 0.7  # file beats default (1.0)
+    assert cfg.learner.optim.lr == 2e-6
+    assert cfg.trainer.logger == ["console", "wandb"]
+    assert cfg.learner.optim.betas == (0.9, 0.95)
+    assert cfg.rollout.guide.train_scope == "full_turn"
+    assert cfg.rollout.top_p == 1.0  # untouched default
+
+
+def test_parse_overrides_yaml_values() -> None:
+    tree = parse_overrides(["a.b=1", "a.c=true", "d=[1, 2]", "e=null", "f=text"])
+    assert tree == {"a": {"b": 1, "c": True}, "d": [1, 2], "e": None, "f": "text"}
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_overrides(["novalue"])
+
+
+def test_derived_max_model_len() -> None:
+    cfg = load_config(None, ["data.max_prompt_length=100", "data.max_response_length=20",
+                             "rollout.guide.max_turns=3", "rollout.guide.sampling.max_tokens=10"])
+    # prompt + turns x (response + verifier reply) = 100 + 3 x (20 + 10) = 190
+    assert cfg.rollout.max_model_len == 190
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["rollout.nn=3"], "unknown key 'rollout.nn'; did you mean 'rollout.n'?"),
+        (["learner.optim.learning_rate=1"], "unknown key 'learner.optim.learning_rate'"),
+        (["rollout.n=abc"], "'rollout.n': Input should be a valid integer"),
+        (["rollout.n=1"], "needs rollout.n > 1"),
+        (["verifier.backend=http"], "verifier.backend=http requires verifier.http.base_url"),
+        (["rollout.guide.train_scope=full_turn", "rollout.guide.history=guided_grpo"], "requires rollout.guide.history=full"),
+        (["rollout.max_num_batched_tokens=10"], "rollout.max_num_batched_tokens (10) must be >="),
+        (["learner.loss_type=foo"], "'learner.loss_type'"),
+    ],
+)
+def test_error_messages_name_the_key(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert expected in str(info.value)
+
+
+def test_typo_suggestion_in_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("buffer:\n  max_stalenes: 2\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'buffer.max_staleness'\?"):
+        load_config(f)
+
+
+def test_missing_file_is_reported() -> None:
+    cfg = load_config(None, ["data.train_files=./nope/train.jsonl", "model.path=./no-model"])
+    missing = check_files(cfg)
+    assert any("data.train_files" in m and "nope/train.jsonl" in m for m in missing)
+    assert any(m.startswith("model.path") for m in missing)
+    # A hub id is not a local file and is not checked here.
+    assert not any("hub" in m for m in check_files(load_config(None, ["model.path=Qwen/Qwen2.5-7B"])))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "asyncrl.launch", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["rollout.nn=3"], "did you mean 'rollout.n'"),
+        (["rollout.n=abc"], "rollout.n"),
+        (["rollout.n=1"], "needs rollout.n > 1"),
+        (["--config", "does/not/exist.yaml"], "config file not found"),
+        (["data.train_files=./missing.jsonl"], "data.train_files: no such file"),
+    ],
+)
+def test_cli_config_errors_exit_2_without_traceback(args: list[str], needle: str) -> None:
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_help_and_print_config() -> None:
+    proc = _cli("--help")
+    assert proc.returncode == 0 and "--print-config" in proc.stdout
+    proc = _cli("--config", "configs/quickstart.yaml", "--print-config", "rollout.n=4")
+    assert proc.returncode == 0
+    assert '"n": 4' in proc.stdout
+
+
+def test_import_config_loads_no_heavy_modules() -> None:
+    code = ("import sys, asyncrl.config, asyncrl.launch, asyncrl.cli; "
+            "heavy = [m for m in ('torch', 'ray', 'vllm', 'deepspeed', 'transformers') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_guided_grpo_yaml_loads_through_key_map() -> None:
+    with pytest.warns(UserWarning, match="no asyncrl equivalent") as record:
+        cfg = from_guided_grpo(ROOT / "tests/fixtures/guided_grpo_http.yaml")
+    assert cfg.verifier.backend == "http"
+    assert cfg.verifier.http.base_url == "http://10.0.0.1:8000/v1"
+    assert cfg.verifier.http.model == "ve"
+    assert cfg.rollout.guide.enable is True
+    assert cfg.rollout.guide.max_turns == 10
+    assert cfg.rollout.guide.enable_hallucination_score is False
+    assert cfg.rollout.guide.sampling.temperature == 0.0
+    assert cfg.rollout.n == 8 and cfg.rollout.limit_images == 1
+    assert cfg.learner.kl.enable and cfg.learner.kl.estimator == "k3" and cfg.learner.kl.mode == "loss"
+    assert cfg.learner.kl.coef == 1e-2
+    assert cfg.learner.loss_type == "ppo"
+    assert cfg.learner.optim.lr == 2e-6
+    assert cfg.model.path == "Qwen/Qwen3-VL-8B-Instruct"
+    assert cfg.reward.function == "./examples/reward_function/math.py:compute_score"
+    assert cfg.trainer.logger == ["jsonl", "wandb", "tensorboard", "console"]
+    assert cfg.trainer.eval_every == 5 and cfg.trainer.save_limit == 5
+    # Keys with no equivalent are reported by name, not dropped silently.
+    unmapped = cfg._unmapped_keys
+    for key in ("data.val_batch_size", "worker.actor.fsdp.enable_full_shard", "worker.actor.padding_free",
+                "trainer.nnodes", "trainer.total_epochs", "worker.actor.optim.strategy"):
+        assert key in unmapped
+        assert key in str(record[0].message)
+
+
+def test_guided_grpo_cli_flag() -> None:
+    proc = _cli("--config", "tests/fixtures/guided_grpo_http.yaml", "--config-format", "guided_grpo", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert "trainer.nnodes" in proc.stderr
+    assert '"backend": "http"' in proc.stdout
+
+
+def test_key_map_targets_exist() -> None:
+    """Every mapped asyncrl key is a real field (guards the map against config renames)."""
+    for src, dst in GUIDED_GRPO_KEY_MAP.items():
+        if dst is None:
+            continue
+        node = Config()
+        for part in dst.split("."):
+            assert hasattr(node, part), f"{src} -> {dst}: no field {part}"
+            node = getattr(node, part)
