@@ -184,3 +184,11 @@ def test_key_map_targets_exist() -> None:
         for part in dst.split("."):
             assert hasattr(node, part), f"{src} -> {dst}: no field {part}"
             node = getattr(node, part)
+
+
+def test_config_reference_doc_is_current() -> None:
+    """docs/config.md is generated from the schema; regenerate with scripts/gen_config_docs.py."""
+    proc = subprocess.run([sys.executable, "scripts/gen_config_docs.py"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (ROOT / "docs/config.md").read_text(), "run: python scripts/gen_config_docs.py > docs/config.md"

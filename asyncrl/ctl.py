@@ -1,0 +1,93 @@
+"""`python -m asyncrl.ctl COMMAND --run-dir runs/<experiment>`: act on a running job.
+
+Commands: `status`, `scale N`, `swap-verifier FILE.yaml`, `checkpoint`, `stop`.
+The job is found through `<run-dir>/job.json` (Ray address + namespace, written by the launcher).
+Each command is queued on the job's coordinator; the driver executes it between learner steps and
+posts the result, which is printed here. Exit status: 0 done, 1 the job refused or failed it (the
+reason is printed), 2 bad usage or no running job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m asyncrl.ctl", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", default=None, help="run directory of the job (default: newest under runs/)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job to act")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="print the job's state and latest metrics")
+    s = sub.add_parser("scale", help="set the number of rollout actors")
+    s.add_argument("n", type=int)
+    w = sub.add_parser("swap-verifier", help="deploy a new verifier version from a config file (its `verifier:` section)")
+    w.add_argument("file")
+    sub.add_parser("checkpoint", help="write a checkpoint now")
+    sub.add_parser("stop", help="checkpoint and stop the job")
+    return p
+
+
+def _find_run_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    candidates = sorted(Path("runs").glob("*/job.json"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise SystemExit("error: no running job found (no runs/*/job.json); pass --run-dir")
+    return candidates[-1].parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run_dir = _find_run_dir(args.run_dir)
+    job_file = run_dir / "job.json"
+    if not job_file.exists():
+        print(f"error: {job_file} not found: is a job running in {run_dir}?", file=sys.stderr)
+        return 2
+    job = json.loads(job_file.read_text())
+    cmd_args: dict = {}
+    if args.command == "scale":
+        if args.n < 0:
+            print("error: scale N needs N >= 0", file=sys.stderr)
+            return 2
+        cmd_args = {"n": args.n}
+    elif args.command == "swap-verifier":
+        from asyncrl.config import ConfigError, load_config
+
+        try:
+            new = load_config(args.file)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        cmd_args = {"verifier": new.verifier.model_dump(mode="json")}
+
+    import ray
+
+    try:
+        ray.init(address=job["ray_address"], namespace=job["namespace"], logging_level="ERROR",
+                 log_to_driver=False)
+        coordinator = ray.get_actor(job["coordinator"])
+    except Exception as exc:  # noqa: BLE001 - a user-facing edge: report and exit
+        print(f"error: cannot reach the job of {run_dir} ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    if args.command == "status":
+        print(json.dumps(ray.get(coordinator.status.remote(), timeout=30), indent=2, default=str))
+        return 0
+    cid = ray.get(coordinator.submit.remote(args.command, cmd_args), timeout=30)
+    deadline = time.time() + args.timeout
+    while time.time() < deadline:
+        result = ray.get(coordinator.result.remote(cid), timeout=30)
+        if result is not None:
+            print(json.dumps(result, indent=2, default=str))
+            return 0 if result.get("ok") else 1
+        time.sleep(0.5)
+    print(f"error: the job did not act on '{args.command}' within {args.timeout:.0f}s", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Metric sinks: console, jsonl, TensorBoard and W&B, all fed the same flat dict of namespaced keys
+(`rollout/…`, `verifier/…`, `buffer/…`, `train/…`, `loss/…`, `perf/…`).
+
+Guarantees: one `metrics.jsonl` row per learner step, flushed at once (a killed run keeps every
+finished step); non-scalar values (histograms such as `buffer/staleness_hist`) go to jsonl as lists
+and to TensorBoard as histograms; W&B runs offline unless `WANDB_API_KEY` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+class MetricLogger:
+    """Fan-out of one metrics dict per step to every configured sink."""
+
+    def __init__(self, run_dir: Path, sinks: list[str], project: str, experiment: str, config: dict[str, Any]):
+        self.run_dir = Path(run_dir)
+        self.sinks = list(sinks)
+        self.rows: list[dict[str, Any]] = []
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if "jsonl" in sinks else None
+        self._tb = None
+        self._wandb = None
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in sinks:
+            import wandb
+
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self._wandb = wandb.init(project=project, name=experiment, dir=str(self.run_dir), config=config,
+                                     mode=mode, reinit=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time": time.time(), **metrics}
+        self.rows.append(row)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row, default=_json_default) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                s = _scalar(value)
+                if s is not None:
+                    self._tb.add_scalar(key, s, step)
+                elif isinstance(value, (list, tuple)) and value and all(_scalar(v) is not None for v in value):
+                    self._tb.add_histogram(key, _expand_hist(value), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if _scalar(v) is not None}, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _expand_hist(counts: list[float]) -> list[float]:
+    """`[c0, c1, ...]` counts per lag -> samples for TensorBoard's histogram."""
+    out: list[float] = []
+    for lag, c in enumerate(counts):
+        out.extend([float(lag)] * int(c))
+    return out or [0.0]
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def format_console(step: int, max_steps: int, m: dict[str, Any]) -> str:
+    """One plain log line (used when stdout is not a terminal)."""
+    parts = [f"step {step}/{max_steps}"]
+    for key, label, fmt in (
+        ("rollout/reward_mean", "reward", "{:.3f}"),
+        ("reward/accuracy", "acc", "{:.3f}"),
+        ("rollout/turns_mean", "turns", "{:.2f}"),
+        ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+        ("buffer/staleness_mean", "stale", "{:.2f}"),
+        ("loss/pg", "pg", "{:+.4f}"),
+        ("perf/step_s", "step_s", "{:.1f}"),
+    ):
+        if key in m and _scalar(m[key]) is not None:
+            parts.append(f"{label} " + fmt.format(m[key]))
+    return " | ".join(parts)
+
+
+def save_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """PNG plots of a run: reward/accuracy, turns/tokens, staleness histogram, throughput/idle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in rows]
+    written = []
+
+    def series(key: str) -> list[float]:
+        return [r.get(key, float("nan")) if _scalar(r.get(key)) is not None else float("nan") for r in rows]
+
+    panels = {
+        "reward.png": ["rollout/reward_mean", "reward/accuracy", "eval/guided_accuracy"],
+        "turns_tokens.png": ["rollout/turns_mean", "rollout/response_len_mean"],
+        "throughput.png": ["perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio"],
+    }
+    for name, keys in panels.items():
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in keys:
+            ys = series(key)
+            if any(not math.isnan(y) for y in ys):
+                ax.plot(steps, ys, marker=".", label=key)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    hist: list[float] = []
+    for r in rows:
+        h = r.get("buffer/staleness_hist")
+        if isinstance(h, list):
+            hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+    if hist:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar(range(len(hist)), hist)
+        ax.set_xlabel("staleness (learner version - min group version)")
+        ax.set_ylabel("groups trained")
+        fig.tight_layout()
+        path = out_dir / "staleness_hist.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
