@@ -1,0 +1,177 @@
+"""Advantage estimators of the GRPO family, as pure torch functions.
+
+`compute_advantages(estimator, rewards, group_index, response_mask, **options)` returns
+advantages of shape [N, T] (fp32), already multiplied by `response_mask`. It runs on the WHOLE
+step batch (every group complete) before micro-batching: group baselines and REINFORCE++'s batch
+whitening are statistics of the full batch, so the learner must call it once per step, never per
+micro-batch.
+
+Inputs
+- `rewards`: [N] sequence scores s_i, or [N, T] token rewards r_{i,t} (then s_i = sum_t r_{i,t};
+  KL-in-reward penalties from `kl.apply_kl_penalty` are token rewards). REINFORCE++ needs token
+  rewards; [N] scores are placed on each sequence's last trained token
+  (`scores_to_token_rewards`).
+- `group_index`: [N] group id per sample (ints, or any hashable values, e.g. prompt uids).
+- `response_mask`: [N, T], 1 on trained response tokens.
+
+Follows Guided-GRPO (GUIDED_GRPO.md 5.1):
+- `grpo`: A_i = (s_i - mean_g) / (std_g + eps), std UNBIASED (N-1), eps 1e-6; a group whose
+  rewards are all equal gets A = 0; groups need >= 2 samples (the original asserts the same).
+- `rloo`: A_i = s_i - mean of the OTHER samples of the group.
+- `reinforce_plus_plus`: G_t = r_t + gamma * G_{t'} over trained tokens; masked whitening over
+  the whole batch, (G - mean) / sqrt(var + 1e-8), var with Bessel's correction; no baseline.
+- `remax`: A_i = s_i - b_i with b_i the caller-given greedy-rollout score (`baseline_rewards`).
+Departs from Guided-GRPO:
+- `grpo` takes `norm_by_std=False` (the original has no such switch) = Dr.GRPO's numerator.
+- `dr_grpo` (not in the original): A_i = s_i - mean_g, no std, no length normalisation (pair it
+  with `loss_avg_mode=seq_sum_token_mean` for the full Dr.GRPO objective).
+- `grpo_passk`: the original leaves the raw score s_j as the advantage of the non-best samples
+  (GUIDED_GRPO.md 11 item 16); here they get 0, as intended. The best sample (first on ties)
+  gets (r1 - r2) / (std_g + eps) (or r1 - r2 with `norm_by_std=False`).
+- `reinforce_plus_plus` skips untrained positions (t' = the next trained token) where the
+  original resets the running return at every mask-0 token. Identical for right padding; with a
+  multi-turn mask whose holes are verifier/user tokens, the original would cut the final reward
+  off from every earlier turn.
+- `gae` is not offered (asyncrl has no critic; the original's is broken, item 16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["compute_advantages", "scores_to_token_rewards", "group_ids", "ESTIMATORS"]
+
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax"]
+ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax")
+
+
+def group_ids(group_index: Tensor | Sequence[Hashable], device: torch.device | None = None) -> Tensor:
+    """Map group ids (a tensor or any hashables) to dense int64 ids 0..G-1 (first-seen order)."""
+    if isinstance(group_index, Tensor):
+        _, inverse = torch.unique(group_index.reshape(-1), return_inverse=True)
+        return inverse.to(device if device is not None else group_index.device)
+    seen: dict[Hashable, int] = {}
+    dense = [seen.setdefault(g, len(seen)) for g in group_index]
+    return torch.tensor(dense, dtype=torch.long, device=device)
+
+
+def scores_to_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Place each sequence score on its last trained token (mask == 1); zeros elsewhere.
+
+    A sequence without trained tokens gets no reward (its row stays 0)."""
+    mask = response_mask.to(torch.bool)
+    n, t = mask.shape
+    positions = torch.arange(t, device=mask.device).expand(n, t)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
+    out = torch.zeros(n, t, dtype=torch.float32, device=mask.device)
+    has = last >= 0
+    out[has.nonzero().squeeze(1), last[has]] = scores.to(out)[has]
+    return out
+
+
+def _sequence_scores(rewards: Tensor, response_mask: Tensor) -> Tensor:
+    if rewards.dim() == 1:
+        return rewards.float()
+    return (rewards.float() * response_mask.float()).sum(dim=1)
+
+
+def _group_stats(scores: Tensor, gid: Tensor, min_size: int, estimator: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample group size, group mean and unbiased group std (0 for size-1 groups)."""
+    num_groups = int(gid.max().item()) + 1 if gid.numel() else 0
+    count = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(
+        0, gid, torch.ones_like(scores, dtype=torch.float64)
+    )
+    if num_groups and int(count.min().item()) < min_size:
+        raise ValueError(f"{estimator} needs every group to have >= {min_size} samples (rollout.n > 1)")
+    s64 = scores.double()
+    total = torch.zeros(num_groups, dtype=torch.float64, device=scores.device).index_add_(0, gid, s64)
+    mean = total / count
+    sq = torch.zeros_like(total).index_add_(0, gid, (s64 - mean[gid]) ** 2)
+    std = torch.sqrt(sq / (count - 1).clamp_min(1))
+    return count[gid], mean[gid], std[gid]
+
+
+def _reinforce_plus_plus(token_rewards: Tensor, mask: Tensor, gamma: float, eps: float) -> Tensor:
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        m = mask[:, t]
+        # untrained positions are skipped: the return flows across them unchanged
+        running = m * (token_rewards[:, t] + gamma * running) + (1 - m) * running
+        returns[:, t] = running * m
+    n = mask.sum()
+    if n < 2:
+        raise ValueError("reinforce_plus_plus whitening needs >= 2 trained tokens in the batch")
+    mean = (returns * mask).sum() / n
+    var = (((returns - mean) ** 2) * mask).sum() / (n - 1)
+    return (returns - mean) * torch.rsqrt(var + eps) * mask
+
+
+def compute_advantages(
+    estimator: Estimator | str,
+    rewards: Tensor,
+    group_index: Tensor | Sequence[Hashable],
+    response_mask: Tensor,
+    *,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    gamma: float = 1.0,
+    whiten_eps: float = 1e-8,
+    baseline_rewards: Tensor | None = None,
+) -> Tensor:
+    """Advantages [N, T] (fp32, zero where `response_mask` is 0) for the named estimator.
+
+    Options: `eps` (grpo/grpo_passk std epsilon, 1e-6 as the original), `norm_by_std`
+    (grpo/grpo_passk; False = no std division), `gamma` (reinforce_plus_plus discount),
+    `whiten_eps` (reinforce_plus_plus, 1e-8 as the original), `baseline_rewards` ([N], remax).
+    """
+    mask = response_mask.float()
+    if rewards.shape[0] != mask.shape[0] or (rewards.dim() == 2 and rewards.shape != mask.shape):
+        raise ValueError(f"rewards {tuple(rewards.shape)} do not match response_mask {tuple(mask.shape)}")
+    if estimator == "reinforce_plus_plus":
+        token_rewards = rewards.float() if rewards.dim() == 2 else scores_to_token_rewards(rewards, mask)
+        return _reinforce_plus_plus(token_rewards * mask, mask, gamma, whiten_eps)
+
+    scores = _sequence_scores(rewards, mask)
+    if estimator == "remax":
+        if baseline_rewards is None:
+            raise ValueError("remax needs baseline_rewards (the greedy rollout's score per sample)")
+        adv = scores - baseline_rewards.to(scores)
+        return adv[:, None] * mask
+
+    gid = group_ids(group_index, device=scores.device)
+    if gid.shape[0] != scores.shape[0]:
+        raise ValueError("group_index must have one entry per sample")
+    if estimator in ("grpo", "dr_grpo", "grpo_passk"):
+        _, mean, std = _group_stats(scores, gid, 2, estimator)
+        if estimator == "grpo":
+            adv = scores.double() - mean
+            if norm_by_std:
+                adv = adv / (std + eps)
+        elif estimator == "dr_grpo":
+            adv = scores.double() - mean
+        else:
+            adv = _passk(scores, gid, std, eps, norm_by_std)
+    elif estimator == "rloo":
+        count, mean, _ = _group_stats(scores, gid, 2, estimator)
+        # mean of the others = (count * mean - s_i) / (count - 1)
+        adv = scores.double() - (count * mean - scores.double()) / (count - 1)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
+    return adv.float()[:, None] * mask
+
+
+def _passk(scores: Tensor, gid: Tensor, std: Tensor, eps: float, norm_by_std: bool) -> Tensor:
+    adv = torch.zeros_like(scores, dtype=torch.float64)
+    for g in torch.unique(gid).tolist():
+        idx = (gid == g).nonzero().squeeze(1)
+        top = torch.topk(scores[idx].double(), 2)  # ties: topk may pick any; use the first index below
+        r1, r2 = top.values[0], top.values[1]
+        best = idx[(scores[idx].double() == r1).nonzero()[0, 0]]
+        gap = r1 - r2
+        adv[best] = gap / (std[best] + eps) if norm_by_std else gap
+    return adv

@@ -1,0 +1,345 @@
+"""Policy losses of the GRPO family with off-policy correction, read top to bottom.
+
+Three policies meet in an async learner: the current policy pi (`logp`, with gradient), the
+proximal policy pi_prox (`logp_proximal`: the learner's weights at the start of the step,
+recomputed) and the behaviour policy mu (`logp_behaviour`: the engine's log-probs of the sampled
+tokens, possibly several versions old). The PPO trust region is centred on pi_prox; the
+correction reweights for pi_prox != mu (off-policy lag and engine/learner numerics).
+
+`policy_loss(logp, logp_proximal, logp_behaviour, advantages, response_mask, config)`:
+1. anchor = pi_prox (mode `bypass`: anchor = mu, no recompute needed); log-ratio
+   l_t = logp_t - anchor_t; `gspo`: l_t = s_i, the masked mean of the sequence's log-ratios;
+   `gspo_token`: l_t = sg(s_i) + logp_t - sg(logp_t).
+2. `ppo` / `gspo` / `gspo_token` (GUIDED_GRPO.md 5.3, the original's `default`):
+   ratio = e^clamp(l, -20, 20), cratio = e^clamp(l, ln(1 - eps_low), ln(1 + eps_high)),
+   L = max(-A ratio, -A cratio), and for A < 0 the dual clip L = min(L, -A c).
+   `cispo`: L = -A sg(clamp(ratio, 1 - cispo_eps_low, 1 + cispo_eps_high)) logp_t with
+   `cispo_eps_low = None` meaning no lower bound, as the CISPO paper means it (the original's
+   recipe, clip_ratio_low = 0, raised every weight below 1 to 1: item 17).
+3. correction weight w (detached, `off_policy_weights`), multiplied into L: `none` / `bypass`
+   w = 1; `tis` w = min(pi_prox/mu, cap); `mis` w = 1[low <= pi_prox/mu <= high]; `seq_tis` /
+   `seq_mis` the same on the per-sequence geometric mean of pi_prox/mu; `decoupled` (AReaL)
+   w = pi_prox/mu where it is <= cap, else 0 (AReaL's `behav_imp_weight_cap` filters rather than
+   clamps; the clamped form min(pi_prox/mu, cap) under a pi/pi_prox clip is exactly `tis`).
+   Masked tokens stay in the normaliser, so the global token count is known before the step.
+4. loss = agg(w L) + beta agg(kl(logp, logp_ref)) [KL as loss] - entropy_coef agg(H).
+
+Aggregation (`loss_avg_mode`), exact under any micro-batch / rank split when the caller passes
+the normalisers of the WHOLE mini-batch over ALL ranks (sum `loss_normalisers` over them):
+- `token`: sum_{i,t} m x / global_num_tokens;
+- `seq`: sum_i [sum_t m x / sum_t m] / global_num_seqs (a true mean of per-sequence means; the
+  original re-weights it by micro-batch token counts, item 18);
+- `seq_sum_token_mean` (Dr.GRPO): sum_i [sum_t m x / norm_length] / global_num_seqs, with
+  norm_length a constant (default: T of the tensor; pass the max response length so every
+  micro-batch uses the same one).
+The returned loss is this micro-batch's SHARE: summed over every micro-batch of every rank it is
+the full-batch loss. An engine that averages gradients over W ranks and divides by the number of
+accumulation steps must multiply it by W x steps before backward. Without normalisers each call
+is normalised locally (a single micro-batch is then the whole batch).
+
+Metrics: dict name -> float64 tensor [sum, count]; add them over micro-batches (and all-reduce
+`stack_metrics` over ranks), then `finalize_metrics` gives sum / count. Token metrics count
+trained tokens; `loss/*` count the micro-batch's share of the normaliser, so their finalised
+value is the exact full-batch loss. Departures from the original's metrics: `train/clipfrac_high`
+/ `train/clipfrac_low` are the fractions of tokens at the upper (A > 0) / lower (A < 0) clip
+(cispo: ratio above / below its bounds), `train/clipfrac_dual` the dual-clip fraction (the
+original logs "either bound" as `pg_clipfrac_higher` and dual as `pg_clipfrac_lower`);
+`train/entropy` is the true entropy over the vocabulary (`entropy_from_logits`) instead of the
+NLL proxy; `loss/kl` is averaged over micro-batches instead of keeping the last one (item 19);
+`train/mismatch_kl` = k3 estimate of KL(mu || pi_prox) on the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from asyncrl.learner.kl import kl_estimate
+
+if TYPE_CHECKING:
+    from asyncrl.config import LearnerConfig, OffPolicyConfig
+
+__all__ = [
+    "policy_loss",
+    "off_policy_weights",
+    "loss_normalisers",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "METRIC_NAMES",
+    "sum_metrics",
+    "stack_metrics",
+    "unstack_metrics",
+    "finalize_metrics",
+]
+
+METRIC_NAMES: tuple[str, ...] = (
+    "loss/total",
+    "loss/pg",
+    "loss/kl",
+    "loss/entropy",
+    "train/clipfrac_high",
+    "train/clipfrac_low",
+    "train/clipfrac_dual",
+    "train/ppo_kl",
+    "train/is_weight_mean",
+    "train/is_clipped_frac",
+    "train/entropy",
+    "train/mismatch_kl",
+)
+_LOG_RATIO_LIMIT = 20.0
+
+
+# ---------------------------------------------------------------------------------- log-probs
+def _logp_chunk(logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+
+def _entropy_chunk(logits: Tensor, temperature: float) -> Tensor:
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    return lse - (torch.softmax(x, dim=-1) * x).sum(dim=-1)
+
+
+def _chunked(fn, logits: Tensor, *args, chunk_rows: int) -> Tensor:
+    """Apply fn to row chunks of logits[..., V]; under autograd each chunk is checkpointed so only
+    the logits themselves stay alive (no fp32 [rows, V] copies kept for backward)."""
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    flat_args = [a.reshape(-1) for a in args]
+    outs = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        piece = [flat[start : start + chunk_rows]] + [a[start : start + chunk_rows] for a in flat_args]
+        if torch.is_grad_enabled() and logits.requires_grad:
+            outs.append(checkpoint(fn, *piece, use_reentrant=False))
+        else:
+            outs.append(fn(*piece))
+    return torch.cat(outs).reshape(logits.shape[:-1])
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int = 1024) -> Tensor:
+    """log softmax(logits / temperature) gathered at labels: [..., V], [...] -> [...] (fp32).
+
+    Computed in row chunks of fp32 (peak extra memory ~ chunk_rows x V x 4 bytes)."""
+    return _chunked(lambda x, y: _logp_chunk(x, y, temperature), logits, labels, chunk_rows=chunk_rows)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_rows: int = 1024) -> Tensor:
+    """Entropy over the vocabulary of softmax(logits / temperature): [..., V] -> [...] (fp32),
+    chunked like `logprobs_from_logits`; differentiable."""
+    return _chunked(lambda x: _entropy_chunk(x, temperature), logits, chunk_rows=chunk_rows)
+
+
+# ------------------------------------------------------------------------------ normalisers
+def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:
+    """(trained tokens, sequences with >= 1 trained token) of a (micro-)batch. Sum them over every
+    micro-batch of the mini-batch on every rank to get `global_num_tokens`, `global_num_seqs`."""
+    tokens_per_seq = response_mask.float().sum(dim=1)
+    return int(tokens_per_seq.sum().item()), int((tokens_per_seq > 0).sum().item())
+
+
+def _aggregate(
+    x: Tensor, mask: Tensor, mode: str, num_tokens: float | None, num_seqs: float | None, norm_length: float | None
+) -> tuple[Tensor, Tensor]:
+    """(this micro-batch's share of the aggregated value, its share of the normaliser)."""
+    if mode == "token":
+        local = mask.sum()
+        denom = torch.as_tensor(num_tokens, dtype=torch.float32) if num_tokens is not None else local.clamp_min(1.0)
+        return (x * mask).sum() / denom, local / denom
+    seq_tokens = mask.sum(dim=1)
+    local = (seq_tokens > 0).float().sum()
+    denom = torch.as_tensor(num_seqs, dtype=torch.float32) if num_seqs is not None else local.clamp_min(1.0)
+    if mode == "seq":
+        per_seq = (x * mask).sum(dim=1) / seq_tokens.clamp_min(1.0)
+    elif mode == "seq_sum_token_mean":
+        per_seq = (x * mask).sum(dim=1) / float(norm_length if norm_length is not None else mask.shape[1])
+    else:
+        raise ValueError(f"unknown loss_avg_mode {mode!r}")
+    return per_seq.sum() / denom, local / denom
+
+
+# --------------------------------------------------------------------------- off-policy weights
+def off_policy_weights(
+    logp_proximal: Tensor | None, logp_behaviour: Tensor | None, response_mask: Tensor, config: OffPolicyConfig
+) -> tuple[Tensor, Tensor]:
+    """(weight w, clipped-or-masked indicator), both [N, T] fp32 and detached; see the module doc."""
+    mode = config.mode
+    mask = response_mask.float()
+    if mode in ("none", "bypass"):
+        return torch.ones_like(mask), torch.zeros_like(mask)
+    if logp_proximal is None or logp_behaviour is None:
+        raise ValueError(f"off_policy.mode={mode} needs logp_proximal and logp_behaviour")
+    log_w = (logp_proximal.detach().float() - logp_behaviour.detach().float()) * mask
+    if mode in ("seq_tis", "seq_mis"):  # geometric mean of the token ratios of each sequence
+        log_w = (log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)).expand_as(mask)
+    raw = torch.exp(log_w.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+    if mode in ("tis", "seq_tis"):
+        clipped = (raw > config.cap).float()
+        weight = raw.clamp(max=config.cap)
+    elif mode in ("mis", "seq_mis"):
+        keep = (raw >= config.low) & (raw <= config.high)
+        clipped, weight = (~keep).float(), keep.float()
+    elif mode == "decoupled":
+        keep = raw <= config.cap
+        clipped, weight = (~keep).float(), torch.where(keep, raw, torch.zeros_like(raw))
+    else:
+        raise ValueError(f"unknown off_policy.mode {mode!r}")
+    return weight * mask, clipped * mask
+
+
+# ------------------------------------------------------------------------------ the loss
+def _log1p_bound(x: float) -> float:
+    return math.log1p(x) if x > -1.0 else -math.inf
+
+
+def policy_loss(
+    logp: Tensor,
+    logp_proximal: Tensor | None,
+    logp_behaviour: Tensor | None,
+    advantages: Tensor,
+    response_mask: Tensor,
+    config: LearnerConfig,
+    *,
+    logp_ref: Tensor | None = None,
+    entropy: Tensor | None = None,
+    kl_coef: float | None = None,
+    global_num_tokens: float | Tensor | None = None,
+    global_num_seqs: float | Tensor | None = None,
+    norm_length: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scalar loss (this micro-batch's share, see the module doc) and its metrics.
+
+    All per-token tensors are [N, T]. `logp` carries the gradient; `logp_proximal` may be None
+    only in `bypass` mode, `logp_behaviour` only in `none` mode. `logp_ref` is required when
+    `config.kl.enable` and `config.kl.mode == "loss"` (given otherwise, `loss/kl` is logged
+    only). `kl_coef` overrides `config.kl.coef` (pass the controller's value). `entropy` (from
+    `entropy_from_logits`) is required when `config.entropy_coef > 0`, logged when given.
+    """
+    mask = response_mask.float()
+    logp = logp.float()
+    adv = advantages.detach().float()
+    mode = config.off_policy.mode
+    anchor = logp_behaviour if mode == "bypass" else logp_proximal
+    if anchor is None:
+        raise ValueError(f"off_policy.mode={mode} needs {'logp_behaviour' if mode == 'bypass' else 'logp_proximal'}")
+    anchor = anchor.detach().float()
+    weight, clipped_is = off_policy_weights(logp_proximal, logp_behaviour, mask, config.off_policy)
+
+    # 1. log importance ratio against the anchor
+    log_ratio = (logp - anchor) * mask
+    if config.loss_type in ("gspo", "gspo_token"):
+        seq = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+        if config.loss_type == "gspo":
+            ell = seq.expand_as(logp) * mask
+        else:
+            ell = seq.detach() + logp - logp.detach()
+    else:
+        ell = log_ratio
+
+    # 2. per-token surrogate
+    zeros = torch.zeros_like(mask)
+    if config.loss_type == "cispo":
+        lo = _log1p_bound(-config.cispo_eps_low) if config.cispo_eps_low is not None else -math.inf
+        hi = math.log1p(config.cispo_eps_high)
+        is_weight = torch.exp(ell.detach().clamp(min=max(lo, -_LOG_RATIO_LIMIT), max=hi))
+        per_token = -adv * is_weight * logp
+        clip_high, clip_low, clip_dual = (ell > hi).float(), (ell < lo).float(), zeros
+    else:
+        lo, hi = _log1p_bound(-config.clip_eps_low), math.log1p(config.clip_eps_high)
+        ratio = torch.exp(ell.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+        cratio = torch.exp(ell.clamp(lo, hi))
+        loss_clip = torch.maximum(-adv * ratio, -adv * cratio)
+        loss_dual = -adv * config.clip_ratio_dual
+        negative = adv < 0
+        per_token = torch.where(negative, torch.minimum(loss_clip, loss_dual), loss_clip)
+        clip_high = ((adv > 0) & (ell > hi)).float()
+        clip_low = (negative & (ell < lo)).float()
+        clip_dual = (negative & (loss_clip > loss_dual)).float()
+    per_token = per_token * weight
+
+    # 3. aggregation and extra terms
+    avg = config.loss_avg_mode
+
+    def agg(x: Tensor) -> tuple[Tensor, Tensor]:
+        return _aggregate(x, mask, avg, global_num_tokens, global_num_seqs, norm_length)
+
+    pg, share = agg(per_token)
+    loss = pg
+    kl_value = torch.zeros((), device=mask.device)
+    kl_as_loss = config.kl.enable and config.kl.mode == "loss"
+    if kl_as_loss and logp_ref is None:
+        raise ValueError("kl.enable with kl.mode=loss needs logp_ref")
+    if logp_ref is not None:
+        kl_value, _ = agg(kl_estimate(logp, logp_ref.detach(), config.kl.estimator))
+        if kl_as_loss:
+            loss = loss + (config.kl.coef if kl_coef is None else kl_coef) * kl_value
+    ent_value = torch.zeros((), device=mask.device)
+    if entropy is not None:
+        ent_value, _ = agg(entropy.float())
+        loss = loss - config.entropy_coef * ent_value
+    elif config.entropy_coef > 0:
+        raise ValueError("entropy_coef > 0 needs the entropy tensor (entropy_from_logits)")
+
+    # 4. metrics as [sum, count]
+    n_tok = mask.sum()
+    no_count = torch.zeros((), device=mask.device)
+
+    def tok(x: Tensor) -> Tensor:
+        return torch.stack([(x.detach().float() * mask).sum(), n_tok]).double()
+
+    def share_of(value: Tensor, count: Tensor) -> Tensor:  # value is already this share's part
+        return torch.stack([value.detach().float(), count]).double()
+
+    if logp_proximal is not None and logp_behaviour is not None:
+        d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        mismatch = tok(torch.exp(d) - d - 1.0)
+    else:
+        mismatch = torch.zeros(2, dtype=torch.float64, device=mask.device)
+    metrics = {
+        "loss/total": share_of(loss, share),
+        "loss/pg": share_of(pg, share),
+        "loss/kl": share_of(kl_value, share if logp_ref is not None else no_count),
+        "loss/entropy": share_of(ent_value, share if entropy is not None else no_count),
+        "train/clipfrac_high": tok(clip_high),
+        "train/clipfrac_low": tok(clip_low),
+        "train/clipfrac_dual": tok(clip_dual),
+        "train/ppo_kl": tok(anchor - logp),
+        "train/is_weight_mean": tok(weight),
+        "train/is_clipped_frac": tok(clipped_is),
+        "train/entropy": tok(entropy) if entropy is not None else torch.zeros(2, dtype=torch.float64, device=mask.device),
+        "train/mismatch_kl": mismatch,
+    }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------------------ metric helpers
+def sum_metrics(parts: Iterable[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Add [sum, count] metrics of several micro-batches."""
+    total: dict[str, Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            total[name] = total[name] + value if name in total else value.clone()
+    return total
+
+
+def stack_metrics(metrics: dict[str, Tensor]) -> Tensor:
+    """[len(METRIC_NAMES), 2] float64 tensor, for one all_reduce(SUM) across ranks."""
+    return torch.stack([metrics[name] for name in METRIC_NAMES])
+
+
+def unstack_metrics(stacked: Tensor) -> dict[str, Tensor]:
+    return {name: stacked[i] for i, name in enumerate(METRIC_NAMES)}
+
+
+def finalize_metrics(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """sum / count per metric; metrics with count 0 (not measured) are left out."""
+    return {name: float(v[0] / v[1]) for name, v in metrics.items() if float(v[1]) > 0}
