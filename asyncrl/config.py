@@ -323,6 +323,9 @@ class BufferConfig(Section):
     """ROUTER port for producers and the learner; 0 = pick a free one."""
     hwm: int = Field(64, gt=0)
     """ZeroMQ high-water mark (messages queued per peer before back-pressure)."""
+    ticket_lease_s: float = Field(1800.0, gt=0)
+    """Admission ticket lease: a ticket not pushed or released within this time frees its slot
+    (a dead actor's tickets never block admission forever); a later push is still accepted."""
     curve: CurveConfig = Field(default_factory=CurveConfig)
     """CurveZMQ security."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)

@@ -1,0 +1,405 @@
+"""Wire types shared by every process role, and their MessagePack codec.
+
+Guarantees
+- One frame = one self-describing msgpack map ``{"schema": SCHEMA_VERSION, "type": name, "body": {...}}``;
+  every encoded object (a control message, a Group, a Sample) carries the schema version.
+- numpy arrays travel as msgpack ext type ``EXT_NDARRAY``: payload = ``u8 len(dtype) | dtype str |
+  u8 ndim | ndim x u64 shape | raw little-endian C-order bytes``. Encoding writes the array's memory
+  straight into the output frame (one copy, by the final ``b"".join``); decoding copies each ext
+  payload once (msgpack hands it over as ``bytes``) and wraps it with ``np.frombuffer`` (no further
+  copy). Decoded arrays are therefore **read-only**; copy them before writing in place.
+- No pickle, no Python lists of numbers.
+- ``decode`` validates strictly: schema version, message type, field names and types, dtype
+  allow-list, shape consistency between a Sample's arrays, mask/version invariants, the Group's
+  version range, sizes. Every failure raises ``ProtocolError`` whose message names the field and
+  what was wrong; no other exception type escapes ``decode`` (a receiver only catches one).
+
+Schema evolution: new fields are added with defaults and ``SCHEMA_VERSION`` bumped; frames of any
+version in ``ACCEPTED_SCHEMAS`` decode (missing new fields take their defaults), unknown fields are
+rejected. This keeps e.g. multimodal fields (images, mRoPE position ids) an additive change.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+ACCEPTED_SCHEMAS = frozenset({1})
+EXT_NDARRAY = 1
+MAX_NDIM = 8
+MAX_SAMPLES_PER_GROUP = 65536
+DEFAULT_MAX_FRAME_BYTES = 256 * 2**20
+# Allow-list of array dtypes accepted on decode (little-endian or byte-order-free only).
+ALLOWED_DTYPES = frozenset(
+    np.dtype(t).str for t in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                              "uint64", "float16", "float32", "float64")
+)
+
+
+class ProtocolError(ValueError):
+    """A frame could not be decoded or failed validation; the message says what and where."""
+
+
+# ------------------------------------------------------------------------------------- messages
+def _arr(x: Any, dtype: str) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+@dataclass(slots=True)
+class Sample:
+    """One trajectory (possibly many turns). Arrays are coerced to their wire dtypes (no copy when
+    they already have them). ``response_mask`` 1 = policy token that is trained;
+    ``behaviour_logprobs`` are 0 and ``token_versions`` are -1 where the mask is 0."""
+
+    uid: str
+    prompt_uid: str
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    response_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    token_versions: np.ndarray
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    num_turns: int = 1
+    finish_reason: str = ""
+    verifier_version: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "prompt_ids": "<i4", "response_ids": "<i4", "response_mask": "|i1",
+        "behaviour_logprobs": "<f4", "token_versions": "<i4",
+    }
+
+    def __post_init__(self) -> None:
+        for name, dt in self.ARRAYS.items():
+            setattr(self, name, _arr(getattr(self, name), dt))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, n).nbytes for n in self.ARRAYS)
+
+
+@dataclass(slots=True)
+class Group:
+    """The n samples of one prompt; produced, stored, staleness-checked, consumed and dropped whole.
+    ``min_version``/``max_version`` = min/max over the masked (trained) token_versions of all samples;
+    build with ``Group.from_samples`` to have them computed."""
+
+    prompt_uid: str
+    samples: list[Sample]
+    min_version: int
+    max_version: int
+    created_at: float = 0.0
+    actor_id: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], *, created_at: float = 0.0, actor_id: str = "",
+                     metadata: dict[str, Any] | None = None) -> Group:
+        lo, hi = _version_range(samples)
+        if lo is None:
+            raise ValueError("group has no trained (mask=1) tokens; cannot derive its policy version")
+        return cls(samples[0].prompt_uid, samples, lo, hi, created_at, actor_id, metadata or {})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.samples)
+
+
+def _version_range(samples: list[Sample]) -> tuple[int | None, int | None]:
+    lo = hi = None
+    for s in samples:
+        v = s.token_versions[s.response_mask.astype(bool)]
+        if v.size:
+            lo = int(v.min()) if lo is None else min(lo, int(v.min()))
+            hi = int(v.max()) if hi is None else max(hi, int(v.max()))
+    return lo, hi
+
+
+# Control messages of the replay buffer (DEALER client <-> ROUTER server). Groups ride in extra
+# zmq frames after the control frame (`Push`: 1, `BatchReply`: num_groups), each its own encoded frame.
+@dataclass(slots=True)
+class TicketRequest:
+    """Ask for admission to start one group; answered by `TicketReply` when granted or at timeout."""
+    actor_id: str = ""
+    timeout_s: float = 0.0
+
+
+@dataclass(slots=True)
+class TicketReply:
+    ticket: int = -1
+    """-1 = not granted before the timeout."""
+
+
+@dataclass(slots=True)
+class TicketRelease:
+    """The group of this ticket is abandoned; its admission slot is freed."""
+    ticket: int = -1
+
+
+@dataclass(slots=True)
+class Push:
+    """One group follows in the next frame. ticket -1 = pushed without admission (untracked, no dedup)."""
+    ticket: int = -1
+
+
+@dataclass(slots=True)
+class PushReply:
+    status: str = "stored"
+    """stored | duplicate (this ticket's group is already stored) | filtered (dynamic sampling,
+    accepted and dropped) | full (not stored; retry later) | rejected (malformed, see detail)."""
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    """Learner asks for `num_groups` groups for its version `version` (which also sets the buffer's v).
+    The reply comes when that many are buffered, or at `timeout_s` with what there is (maybe none)."""
+    num_groups: int = 1
+    version: int = 0
+    timeout_s: float = 0.0
+
+
+@dataclass(slots=True)
+class BatchReply:
+    num_groups: int = 0
+    version: int = 0
+    dropped_stale: int = 0
+    """Groups dropped for staleness while serving this request."""
+
+
+@dataclass(slots=True)
+class SetVersion:
+    version: int = 0
+
+
+@dataclass(slots=True)
+class StatsRequest:
+    pass
+
+
+@dataclass(slots=True)
+class StatsReply:
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SnapshotRequest:
+    path: str = ""
+
+
+@dataclass(slots=True)
+class RestoreRequest:
+    path: str = ""
+
+
+@dataclass(slots=True)
+class Ack:
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class ErrorReply:
+    code: str = "error"
+    """malformed | schema | oversized | unknown_ticket | bad_request | internal."""
+    message: str = ""
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    c.__name__: c for c in (Sample, Group, TicketRequest, TicketReply, TicketRelease, Push, PushReply,
+                            BatchRequest, BatchReply, SetVersion, StatsRequest, StatsReply,
+                            SnapshotRequest, RestoreRequest, Ack, ErrorReply)
+}
+_FIELDS: dict[type, tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in MESSAGE_TYPES.values()}
+
+
+# --------------------------------------------------------------------------------------- encode
+_MAP16, _MAP32, _ARR16, _ARR32 = b"\xde", b"\xdf", b"\xdc", b"\xdd"
+
+
+def _map_header(n: int) -> bytes:
+    return bytes([0x80 | n]) if n < 16 else (_MAP16 + struct.pack(">H", n) if n < 65536 else _MAP32 + struct.pack(">I", n))
+
+
+def _array_header(n: int) -> bytes:
+    return bytes([0x90 | n]) if n < 16 else (_ARR16 + struct.pack(">H", n) if n < 65536 else _ARR32 + struct.pack(">I", n))
+
+
+def _pack_ndarray(a: np.ndarray, parts: list[Any]) -> None:
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    a = np.ascontiguousarray(a)
+    dt = a.dtype.str.encode()
+    head = struct.pack("<B", len(dt)) + dt + struct.pack(f"<B{a.ndim}Q", a.ndim, *a.shape)
+    parts.append(b"\xc9" + struct.pack(">Ib", len(head) + a.nbytes, EXT_NDARRAY) + head)
+    parts.append(memoryview(a).cast("B") if a.ndim else a.tobytes())
+
+
+def _pack(obj: Any, parts: list[Any]) -> None:
+    """Writes msgpack for `obj` into `parts` (bytes / memoryviews); arrays are not copied here."""
+    if isinstance(obj, np.ndarray):
+        _pack_ndarray(obj, parts)
+    elif isinstance(obj, dict):
+        parts.append(_map_header(len(obj)))
+        for k, v in obj.items():
+            parts.append(msgpack.packb(k))
+            _pack(v, parts)
+    elif isinstance(obj, (list, tuple)):
+        parts.append(_array_header(len(obj)))
+        for v in obj:
+            _pack(v, parts)
+    elif type(obj) in _FIELDS:
+        _pack({n: getattr(obj, n) for n in _FIELDS[type(obj)]}, parts)
+    elif isinstance(obj, np.generic):
+        parts.append(msgpack.packb(obj.item()))
+    else:
+        parts.append(msgpack.packb(obj))
+
+
+def encode(msg: Any) -> bytes:
+    """One frame for any message in MESSAGE_TYPES (Group, Sample and the control messages)."""
+    name = type(msg).__name__
+    if MESSAGE_TYPES.get(name) is not type(msg):
+        raise TypeError(f"cannot encode {type(msg)!r}: not a protocol message")
+    parts: list[Any] = [b"\x83", msgpack.packb("schema"), msgpack.packb(SCHEMA_VERSION),
+                        msgpack.packb("type"), msgpack.packb(name), msgpack.packb("body")]
+    _pack(msg, parts)
+    return b"".join(parts)
+
+
+# --------------------------------------------------------------------------------------- decode
+def _ext_hook(code: int, data: bytes) -> np.ndarray:
+    if code != EXT_NDARRAY:
+        raise ProtocolError(f"unknown msgpack ext type {code}")
+    try:
+        n = data[0]
+        dt = data[1:1 + n].decode("ascii")
+        ndim = data[1 + n]
+        if ndim > MAX_NDIM:
+            raise ProtocolError(f"array ndim {ndim} > {MAX_NDIM}")
+        off = 2 + n + 8 * ndim
+        shape = struct.unpack_from(f"<{ndim}Q", data, 2 + n)
+    except (IndexError, struct.error, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"truncated array header ({exc})") from None
+    if dt not in ALLOWED_DTYPES:
+        raise ProtocolError(f"array dtype {dt!r} not allowed")
+    dtype = np.dtype(dt)
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(data) - off:
+        raise ProtocolError(f"array of shape {tuple(shape)} {dt} needs {count * dtype.itemsize} bytes, "
+                            f"frame has {len(data) - off}")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=off).reshape(shape)
+
+
+def _fail(where: str, what: str) -> ProtocolError:
+    return ProtocolError(f"{where}: {what}")
+
+
+def _check(where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise _fail(where, f"expected {kind}, got bool")
+    if not isinstance(value, kind):
+        raise _fail(where, f"expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+# field name -> expected python type of scalar fields (arrays, nested types checked separately)
+_SCALARS: dict[str, type | tuple[type, ...]] = {
+    "uid": str, "prompt_uid": str, "reward": (int, float), "num_turns": int, "finish_reason": str,
+    "verifier_version": str, "min_version": int, "max_version": int, "created_at": (int, float),
+    "actor_id": str, "metadata": dict, "reward_parts": dict, "samples": list, "ticket": int,
+    "timeout_s": (int, float), "status": str, "detail": str, "num_groups": int, "version": int,
+    "dropped_stale": int, "stats": dict, "path": str, "code": str, "message": str,
+}
+
+
+def _build(cls: type, body: Any, where: str) -> Any:
+    if not isinstance(body, dict):
+        raise _fail(where, f"body must be a map, got {type(body).__name__}")
+    names = _FIELDS[cls]
+    unknown = set(body) - set(names)
+    if unknown:
+        raise _fail(where, f"unknown field(s) {sorted(map(str, unknown))}")
+    kw: dict[str, Any] = {}
+    for name, value in body.items():
+        if cls is Sample and name in Sample.ARRAYS:
+            if not isinstance(value, np.ndarray):
+                raise _fail(f"{where}.{name}", f"expected ndarray, got {type(value).__name__}")
+            if value.dtype.str != Sample.ARRAYS[name] or value.ndim != 1:
+                raise _fail(f"{where}.{name}", f"expected 1-D {Sample.ARRAYS[name]}, got {value.ndim}-D {value.dtype.str}")
+        elif name == "samples":
+            _check(f"{where}.samples", value, list)
+            if not 0 < len(value) <= MAX_SAMPLES_PER_GROUP:
+                raise _fail(f"{where}.samples", f"{len(value)} samples (need 1..{MAX_SAMPLES_PER_GROUP})")
+            value = [_build(Sample, s, f"{where}.samples[{i}]") for i, s in enumerate(value)]
+        else:
+            _check(f"{where}.{name}", value, _SCALARS[name])
+            if name in ("reward_parts", "stats"):
+                for k, v in value.items():
+                    _check(f"{where}.{name}[{k!r}]", v, (int, float))
+        kw[name] = value
+    if cls is Sample:
+        missing = [n for n in ("uid", "prompt_uid", *Sample.ARRAYS) if n not in kw]
+        if missing:
+            raise _fail(where, f"missing field(s) {missing}")
+        _validate_sample(kw, where)
+    elif cls is Group:
+        missing = [n for n in ("prompt_uid", "samples", "min_version", "max_version") if n not in kw]
+        if missing:
+            raise _fail(where, f"missing field(s) {missing}")
+    obj = cls(**kw)
+    if cls is Group:
+        lo, hi = _version_range(obj.samples)
+        if lo is not None and (lo, hi) != (obj.min_version, obj.max_version):
+            raise _fail(where, f"min/max_version ({obj.min_version}, {obj.max_version}) differ from the "
+                               f"samples' trained token versions ({lo}, {hi})")
+        if obj.min_version > obj.max_version:
+            raise _fail(where, "min_version > max_version")
+    return obj
+
+
+def _validate_sample(kw: dict[str, Any], where: str) -> None:
+    t = kw["response_ids"].shape[0]
+    for n in ("response_mask", "behaviour_logprobs", "token_versions"):
+        if kw[n].shape[0] != t:
+            raise _fail(f"{where}.{n}", f"length {kw[n].shape[0]} != len(response_ids) {t}")
+    mask = kw["response_mask"]
+    if mask.size and (mask.min() < 0 or mask.max() > 1):
+        raise _fail(f"{where}.response_mask", "values must be 0 or 1")
+    on = mask.astype(bool)
+    tv = kw["token_versions"]
+    if (tv[~on] != -1).any() or (tv[on] < 0).any():
+        raise _fail(f"{where}.token_versions", "must be -1 where mask is 0 and >= 0 where mask is 1")
+    if np.isnan(kw["behaviour_logprobs"]).any():
+        raise _fail(f"{where}.behaviour_logprobs", "contains NaN")
+
+
+def decode(frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+    """Frame -> message object. Raises only ProtocolError (naming what was wrong)."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        top = msgpack.unpackb(frame, raw=False, ext_hook=_ext_hook, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        raise ProtocolError(f"not a valid msgpack frame: {type(exc).__name__}: {exc}") from None
+    if not isinstance(top, dict) or set(top) != {"schema", "type", "body"}:
+        raise ProtocolError("frame must be a map with exactly the keys schema, type, body")
+    if top["schema"] not in ACCEPTED_SCHEMAS or isinstance(top["schema"], bool):
+        raise ProtocolError(f"schema version {top['schema']!r} not accepted (this build: {sorted(ACCEPTED_SCHEMAS)})")
+    cls = MESSAGE_TYPES.get(top["type"]) if isinstance(top["type"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {top['type']!r}")
+    try:
+        return _build(cls, top["body"], cls.__name__)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # defensive: validation must never let another type escape
+        raise ProtocolError(f"{cls.__name__}: invalid content ({type(exc).__name__}: {exc})") from None
