@@ -1,0 +1,273 @@
+"""Answer grading for the math rewards: boxed extraction, the answer-format rule, and
+`grade_answer(given, truth)`.
+
+Follows Guided-GRPO (GUIDED_GRPO.md 4.2, 4.3, 1.8):
+- `extract_boxed_content` returns the content of the LAST `\\boxed{...}` (brace-balanced) or the
+  string "None", exactly as mathruler does.
+- `answer_format_ok` is the format rule of 4.3 and the final-answer detector of 1.8 (whitespace
+  around `<`, `>`, `/` removed; exactly one `<answer>`, one `</answer>`, one `\\boxed{.*?}` inside).
+
+Departs (on purpose):
+- The equivalence check is math-verify (parse + verify: sympy-based, covers fractions, decimals,
+  intervals, sets, equations, percentages, `\\text{}`), not mathruler's PRM800K grader. Before it we
+  apply the string normalisations of 4.2 that math-verify does not cover (unit words such as
+  `5 dollars` / `18 cm`, `\\mbox`, trailing `.`, `^\\circ` spacing variants); two answers that are
+  equal after this normalisation are correct without calling sympy.
+- math-verify's own timeouts use `signal.alarm`, which raises outside the main thread (rewards
+  run in a thread pool). We disable them (`parsing_timeout=None`, `timeout_seconds=None`) and bound
+  the time ourselves: `deadline(seconds)` raises `GradingTimeout` inside the grading thread via
+  `PyThreadState_SetAsyncExc` (works in any thread; sympy is pure Python so it is interrupted
+  between bytecodes). A single long C-level operation (a huge integer power) cannot be
+  interrupted that way, so answers with risky exponents or factorials skip the symbolic check
+  (mathruler does the same). A timed-out or failed comparison counts as wrong and is counted in
+  `grading_stats()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = [
+    "GradingTimeout",
+    "answer_format_ok",
+    "deadline",
+    "extract_boxed_content",
+    "grade_answer",
+    "grading_stats",
+    "normalize_answer",
+    "strip_tag_whitespace",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+MAX_SYMBOLIC_CHARS = 1000
+"""Answers longer than this are compared as strings only (sympy time grows badly with size)."""
+
+
+class GradingTimeout(BaseException):
+    """Grading one answer exceeded its time bound. A BaseException so that the broad
+    `except Exception` clauses inside math-verify/sympy cannot swallow it."""
+
+
+_stats_lock = threading.Lock()
+_stats = {"graded": 0, "symbolic": 0, "timeouts": 0, "errors": 0, "skipped_risky": 0}
+
+
+def grading_stats() -> dict[str, int]:
+    """Process-wide counters: graded answers, symbolic checks, timeouts, errors, risky skips."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def _count(key: str) -> None:
+    with _stats_lock:
+        _stats[key] += 1
+
+
+# ------------------------------------------------------------------------------------ time bound
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+
+
+@contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """Raise `GradingTimeout` in the current thread if the block runs longer than `seconds`.
+
+    Any thread, no signals. Guarantee: the exception is raised only inside the block (a
+    not-yet-delivered exception is cancelled on exit). Pure-Python code is interrupted within a
+    few bytecodes; one long C call is interrupted only when it returns.
+    """
+    if seconds is None or seconds <= 0:
+        yield
+        return
+    tid = threading.get_ident()
+    lock = threading.Lock()
+    done = threading.Event()
+    fired = []
+
+    def watchdog() -> None:
+        wait = seconds
+        while not done.wait(wait):  # re-fire until the block ends, in case something swallowed it
+            with lock:
+                if done.is_set():
+                    return
+                fired.append(True)
+                _set_async_exc(tid, GradingTimeout)
+            wait = 0.2
+
+    threading.Thread(target=watchdog, name="grading-deadline", daemon=True).start()
+    try:
+        yield
+    except GradingTimeout:
+        raise GradingTimeout(f"grading exceeded {seconds:g} s") from None
+    finally:
+        with lock:
+            done.set()
+            if fired:
+                _set_async_exc(tid, ctypes.py_object())  # NULL: cancel an undelivered exception
+
+
+# ------------------------------------------------------------------------------- extraction/format
+_TAG_WS = re.compile(r"\s*([<>/])\s*")
+
+
+def strip_tag_whitespace(text: str) -> str:
+    """Remove whitespace adjacent to `<`, `>` and `/` (Guided-GRPO 1.8 step 1, also alters `a / b`)."""
+    return _TAG_WS.sub(r"\1", text)
+
+
+_BOXED_IN_ANSWER = re.compile(r"\\boxed\{.*?\}")
+_ANSWER_BLOCK = re.compile(r"<answer>(.*)</answer>", re.DOTALL)
+
+
+def answer_format_ok(response: str) -> bool:
+    """Guided-GRPO's format rule (4.3) = final-answer detector (1.8): exactly one `<answer>`,
+    exactly one `</answer>`, exactly one non-greedy `\\boxed{...}` match between them."""
+    r = strip_tag_whitespace(response)
+    if r.count("<answer>") != 1 or r.count("</answer>") != 1:
+        return False
+    block = _ANSWER_BLOCK.search(r)
+    return block is not None and len(_BOXED_IN_ANSWER.findall(block.group(1))) == 1
+
+
+def extract_boxed_content(text: str) -> str:
+    """Content of the LAST `\\boxed{` with balanced braces, stripped; "None" if absent/unbalanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return "None"
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+    return "None"
+
+
+# ---------------------------------------------------------------------------------- normalisation
+_UNITS = (
+    "degree|centimeter|centimetre|cm|millimeter|millimetre|mm|kilometer|kilometre|km|meter|metre|"
+    "mile|second|sec|minute|min|hour|hr|day|week|month|year|foot|feet|inch|inche|yard|liter|litre|"
+    "dollar|cent|unit|point|mph|kg|gram|pound|ounce|square unit|sq unit"
+)
+_UNIT_RE = re.compile(rf"(?<![a-z\\])(?:square\s+)?(?:{_UNITS})(?:e?s)?(?:\s*\^\s*\{{?\d\}}?)?(?![a-z])")
+_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_SPACING = re.compile(r"\\[,;:!> ]|\\quad|\\qquad|~")
+
+
+def _strip_units_and_wrappers(s: str) -> str:
+    s = s.strip()
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("{,}", ",").replace(",\\!", "")
+    s = _SPACING.sub(" ", s)
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree|°", "", s)
+    for _ in range(3):  # nested wrappers
+        s2 = _TEXT_WRAP.sub(r" \1 ", s)
+        if s2 == s:
+            break
+        s = s2
+    stripped = _UNIT_RE.sub(" ", s)
+    if stripped.strip():  # never strip an answer down to nothing ("cm" alone stays)
+        s = stripped
+    s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
+    if _THOUSANDS.fullmatch(s):  # only a whole number: "(1,234)" is a tuple, not 1234
+        s = s.replace(",", "")
+    return s
+
+
+def normalize_answer(answer: str) -> str:
+    """String-level canonical form (4.2 (b)): wrappers, `$`, `%`, degrees, unit words, thousands
+    separators and LaTeX spacing removed; lower-case; no spaces; `x = 5` -> `5`; integral
+    decimals canonicalised (`10.0` -> `10`)."""
+    s = _strip_units_and_wrappers(answer)
+    if re.fullmatch(r"[a-zA-Z]\s*=\s*[^=]+", s):
+        s = s.split("=", 1)[1]
+    s = s.replace(" ", "").lower()
+    if len(s) > 2 and s[0] == "{" and s[-1] == "}":
+        s = s[1:-1]
+    m = re.fullmatch(r"\(?([a-e])\)?", s)  # multiple-choice letter "(B)" -> "b"
+    if m:
+        s = m.group(1)
+    if re.fullmatch(r"-?\d+\.0*", s):
+        s = s.split(".")[0]
+    if s in ("-0",):
+        s = "0"
+    return s
+
+
+# ------------------------------------------------------------------------------------- grading
+_RISKY = re.compile(r"\^\s*\{?\s*[-+]?\s*\d{4,}|\^\s*\{[^{}]*\^|\d{3,}\s*!|\\binom\s*\{\s*\d{4,}|\*\*")
+
+
+def _risky(s: str) -> bool:
+    return len(s) > MAX_SYMBOLIC_CHARS or bool(_RISKY.search(s))
+
+
+_MV = None
+
+
+def _math_verify():
+    global _MV
+    if _MV is None:
+        import math_verify
+
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" warnings
+        cfg = [math_verify.LatexExtractionConfig(boxed_match_priority=0), math_verify.ExprExtractionConfig()]
+        _MV = (math_verify, cfg)
+    return _MV
+
+
+def _symbolic_equal(given: str, truth: str) -> bool:
+    mv, cfg = _math_verify()
+    gold = mv.parse("\\boxed{" + truth + "}", extraction_config=cfg, parsing_timeout=None)
+    pred = mv.parse("\\boxed{" + given + "}", extraction_config=cfg, parsing_timeout=None)
+    if not gold or not pred:
+        return False
+    return bool(mv.verify(gold, pred, timeout_seconds=None))
+
+
+def grade_answer(given: str | None, truth: str | None, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
+    """True iff `given` is mathematically equivalent to the reference `truth`.
+
+    Order: empty/"None" given -> False; equal after `normalize_answer` -> True; otherwise
+    math-verify on the unit/wrapper-stripped strings, bounded by `timeout_s` (timeout or error ->
+    False, counted). Not symmetric in one respect, like math-verify: `truth` is the gold side.
+    """
+    _count("graded")
+    if given is None or truth is None:
+        return False
+    given, truth = str(given).strip(), str(truth).strip()
+    if not given or given == "None" or not truth:
+        return False
+    if normalize_answer(given) == normalize_answer(truth):
+        return True
+    g, t = _strip_units_and_wrappers(given), _strip_units_and_wrappers(truth)
+    if _risky(g) or _risky(t):
+        _count("skipped_risky")
+        return False
+    _count("symbolic")
+    start = time.monotonic()
+    try:
+        with deadline(timeout_s):
+            return _symbolic_equal(g, t)
+    except GradingTimeout:
+        _count("timeouts")
+        log.warning("grading timed out after %.1f s (given=%.80r, truth=%.80r)", time.monotonic() - start, given, truth)
+        return False
+    except Exception:  # math-verify/sympy internals: a parse failure is a wrong answer, counted
+        _count("errors")
+        log.debug("grading error (given=%.80r, truth=%.80r)", given, truth, exc_info=True)
+        return False
