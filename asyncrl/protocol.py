@@ -171,7 +171,7 @@ class BatchReply:
     num_groups: int = 0
     version: int = 0
     dropped_stale: int = 0
-    """Groups dropped for staleness while serving this request."""
+    """Groups dropped for staleness so far (the buffer's running total)."""
 
 
 @dataclass(slots=True)

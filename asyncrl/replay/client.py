@@ -1,0 +1,206 @@
+"""Thin client of the replay buffer, usable from any process (actors, learner, tests, benchmarks).
+
+Each thread gets its own DEALER socket (ZeroMQ sockets are not thread-safe), so e.g. an async
+actor can wait for a ticket in one executor thread while another thread pushes. Every call has a
+deadline; nothing blocks forever.
+
+Exactly-once accounting: `push` is acknowledged by the server only after the group is stored (or
+explicitly dropped/refused). When an acknowledgement does not arrive in time the same frames are sent
+again with the same ticket, and the server answers ``duplicate`` instead of storing twice (pushes
+without a ticket are not deduplicated). A batch reply arriving after its request timed out is kept
+and returned by the next `get_batch`, so no delivered group is lost on the client side either.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import threading
+import time
+from typing import Any
+
+import zmq
+import zmq.auth
+
+from asyncrl.config import CurveConfig
+from asyncrl.protocol import (
+    Ack, BatchReply, BatchRequest, ErrorReply, Group, ProtocolError, Push, PushReply, RestoreRequest,
+    SetVersion, SnapshotRequest, StatsReply, StatsRequest, TicketRelease, TicketReply, TicketRequest,
+    decode, encode,
+)
+
+
+class BufferFull(RuntimeError):
+    """The buffer stayed full (capacity in groups or bytes) for the whole push deadline."""
+
+
+class BufferRequestError(RuntimeError):
+    """The server answered with an ErrorReply (code and message attached)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class BufferTimeout(TimeoutError):
+    """No reply from the server before the deadline (server down or unreachable)."""
+
+
+class BufferClient:
+    def __init__(self, address: str, curve: CurveConfig | None = None, *, actor_id: str = "",
+                 hwm: int = 64, reply_grace_s: float = 30.0, max_frame_bytes: int = 256 * 2**20) -> None:
+        """`reply_grace_s`: extra time a call waits beyond its own timeout for the server to answer."""
+        self.address, self.curve = address, curve
+        self.actor_id = actor_id or f"pid{os.getpid()}"
+        self.hwm, self.reply_grace_s, self.max_frame_bytes = hwm, reply_grace_s, max_frame_bytes
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._stash: list[Group] = []  # groups from batch replies that arrived after their timeout
+
+    # ---------------------------------------------------------------------------- transport
+    def _sock(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self.hwm)
+            sock.setsockopt(zmq.RCVHWM, self.hwm)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.reply_grace_s * 1000))
+            if self.curve is not None and self.curve.enable:
+                if not (self.curve.client_secret_key_file and self.curve.server_public_key_file):
+                    raise ValueError("curve client needs client_secret_key_file and server_public_key_file")
+                public, secret = zmq.auth.load_certificate(self.curve.client_secret_key_file)
+                server_public, _ = zmq.auth.load_certificate(self.curve.server_public_key_file)
+                sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, server_public
+            sock.connect(self.address)
+            self._local.sock = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _request(self, msg: Any, extra: list[Any] = (), wait_s: float = 0.0) -> tuple[Any, list[zmq.Frame]]:
+        """Sends one request and returns (reply, extra frames); raises BufferTimeout after wait_s + grace."""
+        sock = self._sock()
+        rid = struct.pack("<Q", next(self._rids))
+        try:
+            sock.send_multipart([rid, encode(msg), *extra], copy=len(extra) == 0)
+        except zmq.Again:
+            raise BufferTimeout(f"could not send to {self.address} (queue full)") from None
+        deadline = time.monotonic() + wait_s + self.reply_grace_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise BufferTimeout(f"no reply from {self.address} to {type(msg).__name__} within "
+                                    f"{wait_s + self.reply_grace_s:.1f}s")
+            frames = sock.recv_multipart(copy=False)
+            reply = decode(frames[1].buffer)
+            if frames[0].bytes == rid:
+                if isinstance(reply, ErrorReply):
+                    raise BufferRequestError(reply.code, reply.message)
+                return reply, frames[2:]
+            self._late(sock, reply, frames[2:])
+
+    def _late(self, sock: zmq.Socket, reply: Any, extra: list[zmq.Frame]) -> None:
+        """A reply to an earlier request that timed out: keep its groups, give back its ticket."""
+        if isinstance(reply, BatchReply):
+            self._stash.extend(decode(f.buffer, max_bytes=self.max_frame_bytes) for f in extra)
+        elif isinstance(reply, TicketReply) and reply.ticket >= 0:
+            sock.send_multipart([struct.pack("<Q", next(self._rids)), encode(TicketRelease(reply.ticket))])
+
+    # ---------------------------------------------------------------------------- producer API
+    def acquire_ticket(self, timeout_s: float = 0.0) -> int | None:
+        """Admission ticket id, or None if none was granted within timeout_s."""
+        reply, _ = self._request(TicketRequest(self.actor_id, float(timeout_s)), wait_s=timeout_s)
+        assert isinstance(reply, TicketReply)
+        return reply.ticket if reply.ticket >= 0 else None
+
+    def release_ticket(self, ticket: int) -> bool:
+        """Gives back the ticket of an abandoned group; False if it was no longer in flight."""
+        reply, _ = self._request(TicketRelease(int(ticket)))
+        return isinstance(reply, Ack) and reply.detail == "released"
+
+    def push(self, group: Group | bytes, ticket: int | None = None, *, block_s: float = 60.0,
+             attempt_s: float = 10.0) -> PushReply:
+        """Pushes one group (a Group or its encoded frame). Returns the server's acknowledgement
+        (status stored/duplicate/filtered/stale). While the buffer answers "full", retries with
+        backoff for up to block_s, then raises BufferFull. Retries after an unanswered attempt
+        (attempt_s) reuse the ticket, so the group is stored once. Raises BufferRequestError if rejected."""
+        blob = group if isinstance(group, (bytes, memoryview)) else encode(group)
+        msg = Push(-1 if ticket is None else int(ticket))
+        deadline, backoff = time.monotonic() + block_s, 0.005
+        while True:
+            try:
+                reply, _ = self._request(msg, [blob], wait_s=attempt_s - self.reply_grace_s)
+            except BufferTimeout:
+                if time.monotonic() >= deadline or ticket is None:
+                    raise
+                self._reset_socket()
+                continue
+            assert isinstance(reply, PushReply)
+            if reply.status != "full":
+                return reply
+            if time.monotonic() + backoff > deadline:
+                raise BufferFull(f"replay buffer full for {block_s}s")
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+
+    def _reset_socket(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            with self._lock:
+                self._sockets.remove(sock)
+            sock.close(linger=0)
+            self._local.sock = None
+
+    # ---------------------------------------------------------------------------- learner API
+    def get_batch(self, num_groups: int, version: int, timeout_s: float = 60.0) -> list[Group]:
+        """Up to num_groups groups for learner version `version`, oldest first, all within the
+        staleness bound (also sets the buffer's v). Fewer (maybe none) when timeout_s passes first."""
+        out = self._stash[:num_groups]
+        del self._stash[:num_groups]
+        if len(out) == num_groups:
+            return out
+        reply, frames = self._request(BatchRequest(num_groups - len(out), int(version), float(timeout_s)),
+                                      wait_s=timeout_s)
+        assert isinstance(reply, BatchReply)
+        for f in frames:
+            g = decode(f.buffer, max_bytes=self.max_frame_bytes)
+            if not isinstance(g, Group):
+                raise ProtocolError(f"batch reply carried a {type(g).__name__}")
+            out.append(g)
+        return out
+
+    def set_version(self, version: int) -> None:
+        self._request(SetVersion(int(version)))
+
+    # ---------------------------------------------------------------------------- admin
+    def stats(self) -> dict[str, float]:
+        reply, _ = self._request(StatsRequest())
+        assert isinstance(reply, StatsReply)
+        return reply.stats
+
+    def snapshot(self, path: str, timeout_s: float = 300.0) -> str:
+        """Server-side atomic snapshot to `path` (a path on the server's file system)."""
+        reply, _ = self._request(SnapshotRequest(str(path)), wait_s=timeout_s)
+        return reply.detail
+
+    def restore(self, path: str, timeout_s: float = 300.0) -> str:
+        reply, _ = self._request(RestoreRequest(str(path)), wait_s=timeout_s)
+        return reply.detail
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            self._sockets.clear()
+        self._ctx.term()
+
+    def __enter__(self) -> BufferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

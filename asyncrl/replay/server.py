@@ -1,0 +1,299 @@
+"""ZeroMQ replay buffer server: one ROUTER socket, one background thread, the rules of `state.py`.
+
+Wire (DEALER client <-> ROUTER server, request/reply with acknowledgements):
+  request  = [rid (8 bytes), control frame, *group frames]   (Push carries exactly one group frame)
+  reply    = [rid, control frame, *group frames]             (BatchReply carries num_groups frames)
+A push is acknowledged only after the group is validated and stored (or explicitly dropped as
+stale/filtered, or refused as full), so producers can count exactly what was accepted; a retried
+push with the same ticket is answered ``duplicate`` and stored once. Group frames are validated once
+at ingest and then forwarded to the learner byte for byte (never re-encoded).
+
+Guarantees
+- A malformed request (random bytes, truncated frame, wrong schema, wrong types, oversized frame,
+  wrong frame count, unknown ticket) is answered with an `ErrorReply` naming the problem, counted
+  (`buffer/rejected_*`), and never disturbs other clients. An exception inside a handler is logged,
+  counted and answered `internal`; the loop keeps serving.
+- Ticket and batch requests wait in the server (FIFO) until they can be answered or until their
+  timeout, so clients never poll.
+- A batch whose reply cannot be sent (peer gone, its queue full) is put back, not lost.
+
+ZeroMQ settings (chosen deliberately):
+- ``SNDHWM = RCVHWM = cfg.hwm`` messages per peer. Clients keep one request in flight per socket,
+  so the limits bound memory against misbehaving peers, not normal traffic.
+- ``ROUTER_MANDATORY = 1`` and non-blocking sends: an unroutable or full reply raises instead of
+  being dropped silently; it is counted (`buffer/reply_failures`) and batches are requeued.
+- ``MAXMSGSIZE = max_frame + 64 KiB``: libzmq disconnects a peer sending a frame above it before the
+  memory is spent (not countable here); frames between the two limits get an `oversized` reply.
+- ``LINGER = 0`` on close; binds 127.0.0.1 unless `cfg.host` says otherwise; CurveZMQ when
+  `cfg.curve.enable` (server keys from files, clients authorized by the public keys in a directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from asyncrl.config import BufferConfig
+from asyncrl.protocol import (
+    Ack, BatchReply, BatchRequest, ErrorReply, Group, ProtocolError, Push, PushReply, RestoreRequest,
+    SetVersion, SnapshotRequest, StatsReply, StatsRequest, TicketRelease, TicketReply, TicketRequest,
+    decode, encode,
+)
+from asyncrl.replay.snapshot import read_snapshot, write_snapshot
+from asyncrl.replay.state import BufferState, UnknownTicket
+
+log = logging.getLogger(__name__)
+CONTROL_MAX_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class _Waiter:
+    ident: bytes
+    rid: bytes
+    msg: Any
+    t0: float
+    deadline: float
+
+
+class ReplayBufferServer:
+    """`start()` binds and serves in a daemon thread; `stats()`, `snapshot()`, `restore()`,
+    `set_version()` may also be called in-process (they take the state lock)."""
+
+    def __init__(self, cfg: BufferConfig, batch_size: int) -> None:
+        self.cfg = cfg
+        self.max_frame_bytes = int(cfg.max_frame_mb * 2**20)
+        ds = cfg.dynamic_sampling
+        self.state = BufferState(
+            max_staleness=cfg.max_staleness, batch_size=batch_size, capacity_groups=cfg.capacity_groups,
+            capacity_bytes=int(cfg.capacity_mb * 2**20), ticket_lease_s=cfg.ticket_lease_s,
+            filter_enable=ds.enable, filter_key=ds.key, filter_low=ds.low, filter_high=ds.high)
+        self.address: str | None = None
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._tickets: deque[_Waiter] = deque()
+        self._batches: deque[_Waiter] = deque()
+        self._auth: Any = None
+
+    # ---------------------------------------------------------------------------- lifecycle
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Binds and starts serving; returns the address clients connect to (tcp://host:port)."""
+        self._thread = threading.Thread(target=self._run, name="replay-buffer", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self._error is not None:
+            raise RuntimeError(f"replay buffer did not start: {self._error!r}")
+        assert self.address is not None
+        return self.address
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> ReplayBufferServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------------------- in-process API
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = self.state.stats()
+        out["buffer/waiting_ticket_requests"] = float(len(self._tickets))
+        out["buffer/waiting_batch_requests"] = float(len(self._batches))
+        return out
+
+    def set_version(self, version: int) -> int:
+        with self._lock:
+            return self.state.set_version(version)
+
+    def snapshot(self, path: str) -> int:
+        """Writes all buffered groups + counters atomically; returns the number of groups."""
+        with self._lock:
+            groups = self.state.groups()
+            write_snapshot(path, self.state.snapshot_header(), [g.blob for g in groups])
+            return len(groups)
+
+    def restore(self, path: str) -> int:
+        """Replaces the buffer's content and counters by the snapshot's (all or nothing)."""
+        header, blobs, _ = read_snapshot(path, self.max_frame_bytes)
+        with self._lock:
+            self.state.load(header, blobs)
+            return self.state.buffered
+
+    # ---------------------------------------------------------------------------- socket loop
+    def _socket(self, ctx: zmq.Context) -> zmq.Socket:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.cfg.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.hwm)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + 65536)
+        curve = self.cfg.curve
+        if curve.enable:
+            if not (curve.server_secret_key_file and curve.authorized_clients_dir):
+                raise ValueError("buffer.curve.enable needs server_secret_key_file and authorized_clients_dir")
+            self._auth = ThreadAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve.authorized_clients_dir)
+            public, secret = zmq.auth.load_certificate(curve.server_secret_key_file)
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        if self.cfg.port:
+            sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
+        else:
+            sock.bind(f"tcp://{self.cfg.host}:*")
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        try:
+            sock = self._socket(ctx)
+        except BaseException as exc:  # reported to start()
+            self._error = exc
+            self._ready.set()
+            ctx.destroy(linger=0)
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(self._poll_ms()):
+                    for _ in range(256):  # drain a burst, then look after waiters and deadlines
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        with self._lock:
+                            self._handle(sock, frames)
+                with self._lock:
+                    self._serve_waiters(sock, time.monotonic())
+        finally:
+            sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
+            ctx.term()
+
+    def _poll_ms(self) -> int:
+        deadlines = [w.deadline for w in (*self._tickets, *self._batches)]
+        nxt = min(deadlines, default=time.monotonic() + 0.1)
+        return max(1, min(100, int((nxt - time.monotonic()) * 1000) + 1))
+
+    def _send(self, sock: zmq.Socket, ident: bytes, rid: bytes, msg: Any, extra: list[Any] = ()) -> bool:
+        try:
+            sock.send_multipart([ident, rid, encode(msg), *extra], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
+            self.state.counters["reply_failures"] += 1
+            log.warning("replay buffer: reply to a peer failed (%s)", exc)
+            return False
+
+    def _error_reply(self, sock: zmq.Socket, ident: bytes, rid: bytes, code: str, message: str) -> None:
+        counter = {"schema": "rejected_schema", "oversized": "rejected_oversized",
+                   "unknown_ticket": "rejected_unknown_ticket"}.get(code, "rejected_malformed")
+        if code != "unknown_ticket":  # counted by the state
+            self.state.counters[counter] += 1
+        self._send(sock, ident, rid, ErrorReply(code, message[:2000]))
+
+    def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        if len(frames) < 3 or len(frames[1]) != 8:
+            rid = frames[1].bytes[:8].ljust(8, b"\0") if len(frames) > 1 else b"\0" * 8
+            return self._error_reply(sock, ident, rid, "malformed", "request must be [rid(8 bytes), control, *groups]")
+        rid = frames[1].bytes
+        try:
+            if len(frames[2]) > CONTROL_MAX_BYTES:
+                return self._error_reply(sock, ident, rid, "oversized", f"control frame over {CONTROL_MAX_BYTES} bytes")
+            msg = decode(frames[2].buffer, max_bytes=CONTROL_MAX_BYTES)
+            expected_extra = 1 if isinstance(msg, Push) else 0
+            if len(frames) - 3 != expected_extra:
+                return self._error_reply(sock, ident, rid, "malformed",
+                                         f"{type(msg).__name__} needs {expected_extra} group frame(s), got {len(frames) - 3}")
+            self._dispatch(sock, ident, rid, msg, frames[3:])
+        except ProtocolError as exc:
+            code = "schema" if "schema version" in str(exc) else "malformed"
+            self._error_reply(sock, ident, rid, code, str(exc))
+        except UnknownTicket as exc:
+            self._error_reply(sock, ident, rid, "unknown_ticket", str(exc))
+        except Exception as exc:  # a bug must not take the buffer down for every client
+            log.exception("replay buffer: handler failed")
+            self.state.counters["internal_errors"] += 1
+            self._send(sock, ident, rid, ErrorReply("internal", f"{type(exc).__name__}: {exc}"))
+
+    def _dispatch(self, sock: zmq.Socket, ident: bytes, rid: bytes, msg: Any, extra: list[zmq.Frame]) -> None:
+        st, now = self.state, time.monotonic()
+        if isinstance(msg, Push):
+            frame = extra[0]
+            if len(frame) > self.max_frame_bytes:
+                return self._error_reply(sock, ident, rid, "oversized",
+                                         f"group frame of {len(frame)} bytes over max_frame_mb={self.cfg.max_frame_mb}")
+            group = decode(frame.buffer, max_bytes=self.max_frame_bytes)
+            if not isinstance(group, Group):
+                raise ProtocolError(f"Push must carry a Group frame, got {type(group).__name__}")
+            status = st.ingest(group, frame.buffer, msg.ticket)
+            self._send(sock, ident, rid, PushReply(status))
+        elif isinstance(msg, TicketRequest):
+            self._tickets.append(_Waiter(ident, rid, msg, now, now + max(0.0, float(msg.timeout_s))))
+        elif isinstance(msg, BatchRequest):
+            if msg.num_groups <= 0:
+                raise ProtocolError("BatchRequest.num_groups must be > 0")
+            if msg.version != st.version:
+                st.set_version(msg.version)
+            self._batches.append(_Waiter(ident, rid, msg, now, now + max(0.0, float(msg.timeout_s))))
+        elif isinstance(msg, TicketRelease):
+            released = st.release(msg.ticket)
+            self._send(sock, ident, rid, Ack("released" if released else "not in flight"))
+        elif isinstance(msg, SetVersion):
+            dropped = st.set_version(msg.version)
+            self._send(sock, ident, rid, Ack(f"dropped_stale={dropped}"))
+        elif isinstance(msg, StatsRequest):
+            self._send(sock, ident, rid, StatsReply(self.stats()))
+        elif isinstance(msg, SnapshotRequest):
+            self._send(sock, ident, rid, Ack(f"groups={self.snapshot(msg.path)}"))
+        elif isinstance(msg, RestoreRequest):
+            self._send(sock, ident, rid, Ack(f"groups={self.restore(msg.path)}"))
+        else:
+            raise ProtocolError(f"{type(msg).__name__} is not a request")
+        if isinstance(msg, (TicketRequest, BatchRequest, TicketRelease, SetVersion, RestoreRequest)):
+            self._serve_waiters(sock, now)
+
+    def _serve_waiters(self, sock: zmq.Socket, now: float) -> None:
+        st = self.state
+        st.expire()
+        while self._tickets:
+            w = self._tickets[0]
+            ticket = st.grant(w.msg.actor_id)
+            if ticket is None and now < w.deadline:
+                break  # FIFO: later requests wait behind the first
+            self._tickets.popleft()
+            if ticket is None:
+                st.counters["tickets_timed_out"] += 1
+            else:
+                st.record_wait("ticket", now - w.t0)
+            if not self._send(sock, w.ident, w.rid, TicketReply(-1 if ticket is None else ticket)) and ticket is not None:
+                st.release(ticket)
+        while self._batches:
+            w = self._batches[0]
+            st.drop_stale()
+            if st.buffered < w.msg.num_groups and now < w.deadline:
+                break
+            self._batches.popleft()
+            taken = st.take(w.msg.num_groups)
+            st.record_wait("batch", now - w.t0)
+            reply = BatchReply(len(taken), st.version, st.counters["dropped_stale"])
+            if not self._send(sock, w.ident, w.rid, reply, [g.blob for g in taken]):
+                st.requeue(taken)

@@ -1,0 +1,280 @@
+"""The replay buffer's bookkeeping, without sockets: admission tickets, the staleness bound, oldest-first
+delivery, capacity, dynamic-sampling filter, counters and stats. Single-threaded; the server holds a lock.
+
+Rules (DESIGN.md section 4; AReaL's admission rule, asyncrl's hard bound):
+- Admission: a ticket is granted while ``consumed + buffered + in_flight < (v + max_staleness + 1) * B``
+  (v = learner version, B = groups per learner step). Groups dropped (stale or filtered) leave the
+  sum, so their slots are re-granted and replacement work is generated.
+- Tickets of dead or stuck producers do not leak: each ticket is a lease of ``ticket_lease_s``; an
+  expired ticket frees its slot (counted ``buffer/tickets_expired``). A group pushed later with an
+  expired ticket is still accepted (counted ``buffer/late_pushes``): work is not thrown away, and the
+  hard bound below still holds.
+- Hard bound: a group with ``v - min_version > max_staleness`` is never delivered; it is dropped and
+  counted (``buffer/dropped_stale``) at ingest, when v changes, and before every delivery.
+- Order: oldest policy version first (``min_version``, then arrival). Each group is delivered once;
+  a ticket's group is stored once (a retried push with the same ticket answers ``duplicate``; so
+  does a push with a released ticket). Tickets still unfinished at snapshot time are restored as
+  expired: their slot is free, a late push with them is accepted.
+- Groups already stale at ingest or rejected by the DAPO filter (mean reward outside (low, high))
+  are answered ``stale``/``filtered``, counted, and their ticket is done.
+- Capacity: at most ``capacity_groups`` groups and ``capacity_bytes`` bytes; beyond, a push is
+  answered ``full`` and nothing is stored (its ticket stays in flight so the producer can retry).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncrl.protocol import Group
+
+
+class UnknownTicket(ValueError):
+    """A push or release names a ticket this buffer never granted."""
+
+
+@dataclass(slots=True)
+class StoredGroup:
+    """A buffered group: its encoded frame (forwarded as is, never re-encoded) and what the rules need."""
+
+    seq: int
+    min_version: int
+    max_version: int
+    blob: Any  # bytes-like (bytes, memoryview, zmq.Frame buffer)
+    nbytes: int
+    stored_at: float  # time.time()
+    ticket: int = -1
+
+
+@dataclass(slots=True)
+class _Lease:
+    granted_at: float
+    expires_at: float
+    actor_id: str
+
+
+COUNTERS = ("ingested", "consumed", "dropped_stale", "dropped_filtered", "rejected_malformed",
+            "rejected_full", "rejected_oversized", "rejected_schema", "rejected_unknown_ticket",
+            "duplicates", "late_pushes", "untracked_pushes", "tickets_granted", "tickets_released",
+            "tickets_expired", "tickets_timed_out", "reply_failures", "requeued", "filter_missing_key",
+            "internal_errors")
+
+
+class BufferState:
+    def __init__(self, *, max_staleness: int, batch_size: int, capacity_groups: int, capacity_bytes: int,
+                 ticket_lease_s: float = 1800.0, filter_enable: bool = False, filter_key: str = "overall",
+                 filter_low: float = 0.01, filter_high: float = 0.99) -> None:
+        if batch_size <= 0 or max_staleness < 0:
+            raise ValueError("batch_size must be > 0 and max_staleness >= 0")
+        self.max_staleness, self.batch_size = max_staleness, batch_size
+        self.capacity_groups, self.capacity_bytes = capacity_groups, capacity_bytes
+        self.ticket_lease_s = ticket_lease_s
+        self.filter = (filter_enable, filter_key, filter_low, filter_high)
+        self.version = 0
+        self.consumed = 0
+        self.bytes = 0
+        self.next_ticket = 0
+        self._heap: list[tuple[int, int, StoredGroup]] = []
+        self._seq = itertools.count()
+        self.in_flight: dict[int, _Lease] = {}
+        self._expired: set[int] = set()  # tickets whose lease ran out; a late push is still accepted
+        self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self.staleness_hist: Counter[int] = Counter()
+        self._ingest_times: deque[float] = deque(maxlen=4096)
+        self._serve_times: deque[float] = deque(maxlen=4096)
+        self._waits: dict[str, deque[float]] = {"ticket": deque(maxlen=2048), "batch": deque(maxlen=2048),
+                                                "age": deque(maxlen=2048)}
+        self._started = time.time()
+
+    # ------------------------------------------------------------------------------ admission
+    @property
+    def buffered(self) -> int:
+        return len(self._heap)
+
+    def admission_limit(self) -> int:
+        return (self.version + self.max_staleness + 1) * self.batch_size
+
+    def can_admit(self) -> bool:
+        return self.consumed + self.buffered + len(self.in_flight) < self.admission_limit()
+
+    def grant(self, actor_id: str = "", now: float | None = None) -> int | None:
+        now = time.time() if now is None else now
+        self.expire(now)
+        if not self.can_admit():
+            return None
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        self.in_flight[ticket] = _Lease(now, now + self.ticket_lease_s, actor_id)
+        self.counters["tickets_granted"] += 1
+        return ticket
+
+    def release(self, ticket: int) -> bool:
+        """Frees an abandoned ticket's slot. False if it was not in flight (already used/expired)."""
+        if not 0 <= ticket < self.next_ticket:
+            raise UnknownTicket(f"ticket {ticket} was never granted")
+        self._expired.discard(ticket)
+        if self.in_flight.pop(ticket, None) is None:
+            return False
+        self.counters["tickets_released"] += 1
+        return True
+
+    def expire(self, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        dead = [t for t, lease in self.in_flight.items() if lease.expires_at <= now]
+        for t in dead:
+            del self.in_flight[t]
+            self._expired.add(t)
+        self.counters["tickets_expired"] += len(dead)
+        return len(dead)
+
+    def next_expiry(self) -> float | None:
+        return min((lease.expires_at for lease in self.in_flight.values()), default=None)
+
+    # ------------------------------------------------------------------------------ ingest
+    def ingest(self, group: Group, blob: Any, ticket: int = -1, now: float | None = None) -> str:
+        """Stores a validated group; returns the PushReply status (stored/duplicate/filtered/stale/full)."""
+        now = time.time() if now is None else now
+        if ticket >= self.next_ticket:
+            self.counters["rejected_unknown_ticket"] += 1
+            raise UnknownTicket(f"ticket {ticket} was never granted")
+        if ticket >= 0 and ticket not in self.in_flight and ticket not in self._expired:
+            self.counters["duplicates"] += 1
+            return "duplicate"
+        drop = "stale" if self.version - group.min_version > self.max_staleness else (
+            None if self._keep(group) else "filtered")
+        nbytes = len(blob)
+        if drop is None and (self.buffered >= self.capacity_groups or self.bytes + nbytes > self.capacity_bytes):
+            self.counters["rejected_full"] += 1
+            return "full"
+        if ticket < 0:
+            self.counters["untracked_pushes"] += 1
+        elif self.in_flight.pop(ticket, None) is None:
+            self._expired.discard(ticket)
+            self.counters["late_pushes"] += 1
+        if drop is not None:
+            self.counters["dropped_" + drop] += 1
+            return drop
+        sg = StoredGroup(next(self._seq), group.min_version, group.max_version, blob, nbytes, now, ticket)
+        heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
+        self.bytes += nbytes
+        self.counters["ingested"] += 1
+        self._ingest_times.append(now)
+        return "stored"
+
+    def _keep(self, group: Group) -> bool:
+        enable, key, low, high = self.filter
+        if not enable:
+            return True
+        values = []
+        for s in group.samples:
+            if key in s.reward_parts:
+                values.append(s.reward_parts[key])
+            elif key in ("overall", "reward"):
+                values.append(s.reward)
+            else:
+                self.counters["filter_missing_key"] += 1
+                return True
+        return low < float(np.mean(values)) < high
+
+    # ------------------------------------------------------------------------------ delivery
+    def set_version(self, version: int) -> int:
+        """Sets the learner version v and drops what became stale; returns the number dropped."""
+        self.version = int(version)
+        return self.drop_stale()
+
+    def drop_stale(self) -> int:
+        n = 0
+        while self._heap and self.version - self._heap[0][0] > self.max_staleness:
+            _, _, sg = heapq.heappop(self._heap)
+            self.bytes -= sg.nbytes
+            n += 1
+        self.counters["dropped_stale"] += n
+        return n
+
+    def take(self, num_groups: int, now: float | None = None) -> list[StoredGroup]:
+        """Pops up to num_groups groups, oldest version first, all within the staleness bound."""
+        now = time.time() if now is None else now
+        self.drop_stale()
+        out = [heapq.heappop(self._heap)[2] for _ in range(min(num_groups, len(self._heap)))]
+        for sg in out:
+            self.bytes -= sg.nbytes
+            self.staleness_hist[self.version - sg.min_version] += 1
+            self._waits["age"].append(now - sg.stored_at)
+            self._serve_times.append(now)
+        self.consumed += len(out)
+        self.counters["consumed"] += len(out)
+        return out
+
+    def requeue(self, groups: list[StoredGroup]) -> None:
+        """Undoes a `take` whose reply could not be sent (the groups were not delivered)."""
+        for sg in groups:
+            heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
+            self.bytes += sg.nbytes
+            self.staleness_hist[self.version - sg.min_version] -= 1
+        self.consumed -= len(groups)
+        self.counters["consumed"] -= len(groups)
+        self.counters["requeued"] += len(groups)
+
+    def groups(self) -> list[StoredGroup]:
+        """Buffered groups in delivery order (for snapshots)."""
+        return [sg for _, _, sg in sorted(self._heap)]
+
+    def record_wait(self, kind: str, seconds: float) -> None:
+        self._waits[kind].append(seconds)
+
+    # ------------------------------------------------------------------------------ stats
+    def stats(self, now: float | None = None, window_s: float = 30.0) -> dict[str, float]:
+        """Flat `buffer/...` metrics: sizes, rates over the last window_s, counters, staleness
+        histogram of delivered groups (`buffer/staleness/<lag>`), wait times."""
+        now = time.time() if now is None else now
+        out: dict[str, float] = {
+            "buffer/size_groups": self.buffered, "buffer/size_mb": self.bytes / 2**20,
+            "buffer/in_flight": len(self.in_flight), "buffer/version": self.version,
+            "buffer/admission_limit": self.admission_limit(),
+            "buffer/admission_used": self.consumed + self.buffered + len(self.in_flight),
+        }
+        out.update({f"buffer/{k}": float(v) for k, v in sorted(self.counters.items())})
+        span = min(window_s, max(now - self._started, 1e-9))
+        out["buffer/ingest_groups_per_s"] = sum(1 for t in self._ingest_times if now - t <= span) / span
+        out["buffer/serve_groups_per_s"] = sum(1 for t in self._serve_times if now - t <= span) / span
+        total = sum(self.staleness_hist.values())
+        for lag in range(self.max_staleness + 1):
+            out[f"buffer/staleness/{lag}"] = float(self.staleness_hist.get(lag, 0))
+        out["buffer/staleness_mean"] = (sum(k * v for k, v in self.staleness_hist.items()) / total) if total else 0.0
+        for kind, values in self._waits.items():
+            arr = np.asarray(values, dtype=np.float64)
+            name = {"ticket": "ticket_wait_s", "batch": "batch_wait_s", "age": "group_age_s"}[kind]
+            out[f"buffer/{name}_mean"] = float(arr.mean()) if arr.size else 0.0
+            out[f"buffer/{name}_p99"] = float(np.percentile(arr, 99)) if arr.size else 0.0
+        return out
+
+    # ------------------------------------------------------------------------------ snapshot
+    def snapshot_header(self) -> dict[str, Any]:
+        return {"version": self.version, "consumed": self.consumed, "next_ticket": self.next_ticket,
+                "unfinished_tickets": sorted(set(self.in_flight) | self._expired),
+                "counters": dict(self.counters), "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+                "groups": [{"min_version": g.min_version, "max_version": g.max_version, "nbytes": g.nbytes,
+                            "stored_at": g.stored_at, "ticket": g.ticket} for g in self.groups()]}
+
+    def load(self, header: dict[str, Any], blobs: list[bytes]) -> None:
+        """Replaces the whole state by a snapshot's (tickets in flight at snapshot time are not
+        restored: their producers are gone; new ticket ids continue after the old ones)."""
+        self.version, self.consumed = int(header["version"]), int(header["consumed"])
+        self.next_ticket = int(header["next_ticket"])
+        self.counters = Counter({k: 0 for k in COUNTERS})
+        self.counters.update({str(k): int(v) for k, v in header["counters"].items()})
+        self.staleness_hist = Counter({int(k): int(v) for k, v in header["staleness_hist"].items()})
+        self.in_flight.clear()
+        self._expired = {int(t) for t in header["unfinished_tickets"]}
+        self._heap, self.bytes = [], 0
+        for meta, blob in zip(header["groups"], blobs, strict=True):
+            sg = StoredGroup(next(self._seq), int(meta["min_version"]), int(meta["max_version"]), blob,
+                             len(blob), float(meta["stored_at"]), int(meta["ticket"]))
+            heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
+            self.bytes += sg.nbytes
