@@ -1,0 +1,232 @@
+"""The Ray Serve application `verifier`: one deployment, whose class is the configured back-end.
+
+Every replica answers two ways, with the same reply:
+- the handle method `chat(request: dict) -> dict` for callers inside the cluster (rollout actors);
+- HTTP through a FastAPI ingress: `POST /v1/chat/completions` (Guided-GRPO's request, §3.2, and
+  OpenAI's reply shape, so the official `openai` client works unchanged), `GET /v1/models`, and
+  `GET /health` (no key needed). With `verifier.api_key` set, `/v1/*` needs
+  `Authorization: Bearer <key>` (else 401).
+
+Guarantees:
+- Every reply, error or not, carries the replica's version label (`version` field and the
+  `X-Verifier-Version` header); the label is stamped on every sample the reply guided.
+- Malformed bodies get 400 with a message naming the bad fields; the replica keeps serving.
+- A repeated `request_id` gets the reply already given (or joins the one in flight) on that
+  replica, so client retries are idempotent.
+- The deployment is always named `Verifier`, whatever the back-end, so that a swap - even to
+  another back-end - is a rolling update of one deployment. `max_surge_percent=100` makes Serve
+  start the new replicas before stopping old ones (old ones drain their requests), and keeps the
+  old replicas serving if the new version cannot start (see deploy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from asyncrl.config import VerifierConfig
+from asyncrl.serve.schema import (
+    MAX_BODY_BYTES,
+    ChatRequest,
+    Generation,
+    RequestError,
+    completion_body,
+    error_body,
+    parse_request,
+)
+
+logger = logging.getLogger("asyncrl.serve")
+
+APP_NAME = "verifier"
+DEPLOYMENT_NAME = "Verifier"
+SERVED_MODEL = "verifier"
+"""Model id listed by /v1/models; requests may name any model (Guided-GRPO sends `ve` or `verifier`)."""
+_IDEMPOTENCY_CACHE = 4096
+
+
+def resolve_secret(value: str) -> str:
+    """`env:NAME` -> the environment variable NAME (which must exist); anything else verbatim."""
+    if value.startswith("env:"):
+        name = value[4:]
+        if name not in os.environ:
+            raise RuntimeError(f"secret refers to environment variable {name}, which is not set")
+        return os.environ[name]
+    return value
+
+
+class VerifierReplica:
+    """Back-end independent part of a replica; subclasses implement `_generate`."""
+
+    backend = "base"
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.cfg = VerifierConfig.model_validate(cfg)
+        self.version = self.cfg.version
+        self._api_key = resolve_secret(self.cfg.api_key) if self.cfg.api_key else ""
+        self._done: OrderedDict[str, dict] = OrderedDict()
+        self._inflight: dict[str, asyncio.Future] = {}
+        self.num_requests = 0
+        self.num_errors = 0
+
+    async def _generate(self, req: ChatRequest) -> Generation:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ handle methods
+    async def chat(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Answer one chat request (a decoded §3.2 body). Never raises: errors come back as
+        `{"error": {"message", "type", "code"}, "version"}` with `code` the HTTP status."""
+        self.num_requests += 1
+        try:
+            req = parse_request(request)
+        except RequestError as exc:
+            self.num_errors += 1
+            return error_body(str(exc), exc.status, exc.kind, self.version)
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self._done:
+            return self._done[rid]
+        if rid in self._inflight:
+            return await asyncio.shield(self._inflight[rid])
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._inflight[rid] = fut
+        try:
+            body = await self._answer(req, rid)
+        except BaseException:  # only cancellation gets here (_answer catches Exception)
+            fut.set_result(error_body(f"request {rid} was cancelled", 503, "unavailable", self.version))
+            self._inflight.pop(rid, None)
+            raise
+        fut.set_result(body)
+        self._inflight.pop(rid, None)
+        if "error" not in body:
+            self._done[rid] = body
+            while len(self._done) > _IDEMPOTENCY_CACHE:
+                self._done.popitem(last=False)
+        return body
+
+    async def _answer(self, req: ChatRequest, rid: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            gen = await self._generate(req)
+        except RequestError as exc:
+            self.num_errors += 1
+            return error_body(str(exc), exc.status, exc.kind, self.version)
+        except Exception as exc:  # a back-end failure is the caller's to retry; log and count it
+            self.num_errors += 1
+            logger.exception("verifier %s (%s) failed on request %s", self.version, self.backend, rid)
+            return error_body(f"{type(exc).__name__}: {exc}", 500, "server_error", self.version)
+        latency_ms = (time.perf_counter() - t0) * 1000.0
+        return completion_body(gen, request_id=rid, model=req.model, version=self.version, latency_ms=latency_ms)
+
+    def info(self) -> dict[str, Any]:
+        """Version, back-end and the config this replica runs (used by swap reports and rollback)."""
+        return {"version": self.version, "backend": self.backend, "config": self.cfg.model_dump(),
+                "requests": self.num_requests, "errors": self.num_errors, "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ HTTP ingress
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_http_app(self)
+
+
+def build_http_app(replica: VerifierReplica) -> FastAPI:
+    """The FastAPI app of one replica (routes close over the replica). FastAPI resolves the route
+    annotations in this module's globals, hence the module-level fastapi imports."""
+    api = FastAPI(title="asyncrl verifier", docs_url=None, redoc_url=None, openapi_url=None)
+    headers = {"X-Verifier-Version": replica.version}
+
+    def reply(body: dict[str, Any], status: int = 200) -> JSONResponse:
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def denied(request: Request) -> JSONResponse | None:
+        if not replica._api_key:
+            return None
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip() == replica._api_key:
+            return None
+        return reply(error_body("missing or wrong API key (Authorization: Bearer <key>)", 401,
+                                "authentication_error", replica.version), 401)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        if (resp := denied(request)) is not None:
+            return resp
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return reply(error_body(f"body larger than {MAX_BODY_BYTES} bytes", 413, version=replica.version), 413)
+        try:
+            payload = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return reply(error_body(f"body is not valid JSON: {exc}", 400, version=replica.version), 400)
+        if isinstance(payload, dict) and not payload.get("request_id") and request.headers.get("x-request-id"):
+            payload["request_id"] = request.headers["x-request-id"]
+        body = await replica.chat(payload)
+        return reply(body, int(body["error"]["code"]) if "error" in body else 200)
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        if (resp := denied(request)) is not None:
+            return resp
+        return reply({"object": "list", "data": [{
+            "id": SERVED_MODEL, "object": "model", "created": 0, "owned_by": "asyncrl",
+            "backend": replica.backend, "version": replica.version}]})
+
+    @api.get("/health")
+    async def health() -> JSONResponse:
+        return reply({"status": "ok", "backend": replica.backend, "version": replica.version})
+
+    return api
+
+
+def deployment_options(cfg: VerifierConfig) -> dict[str, Any]:
+    """Serve deployment options derived from the verifier config (replicas, resources, rollout)."""
+    actor: dict[str, Any] = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica}
+    if cfg.backend == "vllm" and cfg.gpus_per_replica == 0:
+        # vLLM's CPU build: a small KV cache and one OpenMP thread unless the user set them.
+        actor["runtime_env"] = {"env_vars": {
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }}
+    opts: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "ray_actor_options": actor,
+        # A verifier request is cheap to queue on a replica; vLLM batches whatever it is given.
+        "max_ongoing_requests": {"rule": 64, "vllm": 256, "http": max(8, 2 * cfg.http.concurrency)}[cfg.backend],
+        # Start replacements before stopping old replicas; a failed version leaves the old serving.
+        "max_surge_percent": 100,
+        # Old replicas drain in-flight requests for up to one client deadline (longer is useless).
+        "graceful_shutdown_timeout_s": cfg.client.deadline_s,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "health_check_period_s": 5.0,
+    }
+    if cfg.autoscaling is not None:
+        a = cfg.autoscaling
+        opts["autoscaling_config"] = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                                      "target_ongoing_requests": a.target_ongoing_requests}
+    else:
+        opts["num_replicas"] = cfg.num_replicas
+    return opts
+
+
+def build_app(cfg: VerifierConfig, *, rule_fn: Callable[[list[dict]], str] | None = None) -> Any:
+    """The Serve application for `cfg` (not yet running; deploy.py runs it).
+
+    `rule_fn` replaces `asyncrl.tasks.get_rule_verifier(cfg.task)` in the rule back-end (tests,
+    custom tasks); it travels to the replicas with cloudpickle inside the cluster only.
+    """
+    from ray import serve
+
+    from asyncrl.serve.backends import BACKENDS
+
+    cls = serve.ingress()(BACKENDS[cfg.backend])
+    deployment = serve.deployment(**deployment_options(cfg))(cls)
+    kwargs = {"rule_fn": rule_fn} if (rule_fn is not None and cfg.backend == "rule") else {}
+    return deployment.bind(cfg.model_dump(), **kwargs)
