@@ -126,7 +126,9 @@ def _chunked(fn, logits: Tensor, *args, chunk_rows: int) -> Tensor:
     return torch.cat(outs).reshape(logits.shape[:-1])
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int = 1024) -> Tensor:
+def logprobs_from_logits(
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int = 1024
+) -> Tensor:
     """log softmax(logits / temperature) gathered at labels: [..., V], [...] -> [...] (fp32).
 
     Computed in row chunks of fp32 (peak extra memory ~ chunk_rows x V x 4 bytes)."""
@@ -148,12 +150,21 @@ def loss_normalisers(response_mask: Tensor) -> tuple[int, int]:
 
 
 def _aggregate(
-    x: Tensor, mask: Tensor, mode: str, num_tokens: float | None, num_seqs: float | None, norm_length: float | None
+    x: Tensor,
+    mask: Tensor,
+    mode: str,
+    num_tokens: float | None,
+    num_seqs: float | None,
+    norm_length: float | None,
 ) -> tuple[Tensor, Tensor]:
     """(this micro-batch's share of the aggregated value, its share of the normaliser)."""
     if mode == "token":
         local = mask.sum()
-        denom = torch.as_tensor(num_tokens, dtype=torch.float32) if num_tokens is not None else local.clamp_min(1.0)
+        denom = (
+            torch.as_tensor(num_tokens, dtype=torch.float32)
+            if num_tokens is not None
+            else local.clamp_min(1.0)
+        )
         return (x * mask).sum() / denom, local / denom
     seq_tokens = mask.sum(dim=1)
     local = (seq_tokens > 0).float().sum()
@@ -169,7 +180,10 @@ def _aggregate(
 
 # --------------------------------------------------------------------------- off-policy weights
 def off_policy_weights(
-    logp_proximal: Tensor | None, logp_behaviour: Tensor | None, response_mask: Tensor, config: OffPolicyConfig
+    logp_proximal: Tensor | None,
+    logp_behaviour: Tensor | None,
+    response_mask: Tensor,
+    config: OffPolicyConfig,
 ) -> tuple[Tensor, Tensor]:
     """(weight w, clipped-or-masked indicator), both [N, T] fp32 and detached; see the module doc."""
     mode = config.mode
@@ -180,7 +194,9 @@ def off_policy_weights(
         raise ValueError(f"off_policy.mode={mode} needs logp_proximal and logp_behaviour")
     log_w = (logp_proximal.detach().float() - logp_behaviour.detach().float()) * mask
     if mode in ("seq_tis", "seq_mis"):  # geometric mean of the token ratios of each sequence
-        log_w = (log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)).expand_as(mask)
+        log_w = (log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)).expand_as(
+            mask
+        )
     raw = torch.exp(log_w.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
     if mode in ("tis", "seq_tis"):
         clipped = (raw > config.cap).float()
@@ -230,7 +246,9 @@ def policy_loss(
     mode = config.off_policy.mode
     anchor = logp_behaviour if mode == "bypass" else logp_proximal
     if anchor is None:
-        raise ValueError(f"off_policy.mode={mode} needs {'logp_behaviour' if mode == 'bypass' else 'logp_proximal'}")
+        raise ValueError(
+            f"off_policy.mode={mode} needs {'logp_behaviour' if mode == 'bypass' else 'logp_proximal'}"
+        )
     anchor = anchor.detach().float()
     weight, clipped_is = off_policy_weights(logp_proximal, logp_behaviour, mask, config.off_policy)
 
@@ -300,7 +318,9 @@ def policy_loss(
         return torch.stack([value.detach().float(), count]).double()
 
     if logp_proximal is not None and logp_behaviour is not None:
-        d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(
+            -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
+        )
         mismatch = tok(torch.exp(d) - d - 1.0)
     else:
         mismatch = torch.zeros(2, dtype=torch.float64, device=mask.device)
@@ -315,7 +335,9 @@ def policy_loss(
         "train/ppo_kl": tok(anchor - logp),
         "train/is_weight_mean": tok(weight),
         "train/is_clipped_frac": tok(clipped_is),
-        "train/entropy": tok(entropy) if entropy is not None else torch.zeros(2, dtype=torch.float64, device=mask.device),
+        "train/entropy": tok(entropy)
+        if entropy is not None
+        else torch.zeros(2, dtype=torch.float64, device=mask.device),
         "train/mismatch_kl": mismatch,
     }
     return loss, metrics

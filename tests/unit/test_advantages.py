@@ -17,6 +17,8 @@ torch.set_num_threads(1)
 
 def _close(actual: torch.Tensor, expected: list, atol: float = 1e-6) -> None:
     torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
 EPS = 1e-6
 
 
@@ -55,21 +57,27 @@ def test_grpo_token_rewards_are_summed_and_group_needs_two():
     # -> A = +-0.5 / (0.70711 + 1e-6) = +-0.70711
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
     adv = compute_advantages("grpo", rewards, ["a", "a"], torch.ones(2, 2))
-    assert _rowvals(adv) == pytest.approx([0.5 / (math.sqrt(0.5) + EPS), -0.5 / (math.sqrt(0.5) + EPS)], abs=1e-6)
+    assert _rowvals(adv) == pytest.approx(
+        [0.5 / (math.sqrt(0.5) + EPS), -0.5 / (math.sqrt(0.5) + EPS)], abs=1e-6
+    )
     with pytest.raises(ValueError, match=">= 2"):
         compute_advantages("grpo", torch.tensor([1.0, 2.0, 3.0]), [0, 0, 1], torch.ones(3, 1))
 
 
 def test_dr_grpo_is_mean_baseline_only():
     # group 0 [1, 2, 3] -> [-1, 0, 1]; group 1 [4, 0] -> mean 2 -> [2, -2]; no std, no length norm
-    adv = compute_advantages("dr_grpo", torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0]), [0, 0, 0, 1, 1], torch.ones(5, 4))
+    adv = compute_advantages(
+        "dr_grpo", torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0]), [0, 0, 0, 1, 1], torch.ones(5, 4)
+    )
     assert _rowvals(adv) == pytest.approx([-1.0, 0.0, 1.0, 2.0, -2.0])
 
 
 def test_rloo_leave_one_out_baseline():
     # [1, 2, 3]: A_1 = 1 - (2 + 3)/2 = -1.5; A_2 = 2 - (1 + 3)/2 = 0; A_3 = 3 - (1 + 2)/2 = 1.5
     # [4, 0]: A = 4 - 0 = 4 and 0 - 4 = -4
-    adv = compute_advantages("rloo", torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0]), [0, 0, 0, 1, 1], torch.ones(5, 2))
+    adv = compute_advantages(
+        "rloo", torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0]), [0, 0, 0, 1, 1], torch.ones(5, 2)
+    )
     assert _rowvals(adv) == pytest.approx([-1.5, 0.0, 1.5, 4.0, -4.0])
     with pytest.raises(ValueError):
         compute_advantages("rloo", torch.tensor([1.0]), [0], torch.ones(1, 1))
@@ -89,7 +97,9 @@ def test_grpo_passk_best_gets_gap_others_zero():
 def test_remax_subtracts_given_baseline():
     # A = s - b: [1 - 0.5, 0 - 0.5] = [0.5, -0.5], times the mask
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    adv = compute_advantages("remax", torch.tensor([1.0, 0.0]), [0, 1], mask, baseline_rewards=torch.tensor([0.5, 0.5]))
+    adv = compute_advantages(
+        "remax", torch.tensor([1.0, 0.0]), [0, 1], mask, baseline_rewards=torch.tensor([0.5, 0.5])
+    )
     _close(adv, [[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0]])
     with pytest.raises(ValueError, match="baseline"):
         compute_advantages("remax", torch.tensor([1.0]), [0], torch.ones(1, 1))
