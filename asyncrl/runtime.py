@@ -1,16 +1,249 @@
-"""Builds and runs the asynchronous topology (filled in by the end-to-end work)."""
+"""The running job: build the asynchronous topology, train, evaluate, checkpoint, shut down.
+
+`run(cfg)` is what `python -m asyncrl.launch` calls after the config validated. Read
+`build_topology` top to bottom to see every component of a job and the order they start in;
+`Trainer.train` is the learner-paced loop (the rollout fleet runs on its own, paced only by the
+buffer's admission tickets).
+
+Failure behaviour: every start-up wait has a timeout (`cluster.startup_timeout_s`) and a component
+that cannot start fails the launch with its name, before any training step, with everything that
+was started torn down. Ctrl-C / SIGTERM: admission stops, a checkpoint is written (learner, buffer
+snapshot, data cursor, versions), then the job shuts down; a second signal exits at once.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from asyncrl.config import Config
 
 
-def run(cfg: Config) -> int:
+class StartupError(RuntimeError):
+    """A component could not start; the message names it."""
+
+
+def say(message: str) -> None:
+    print(f"[asyncrl] {message}", flush=True)
+
+
+@contextmanager
+def step_timer(what: str):
+    t0 = time.time()
+    say(f"starting {what} ...")
+    try:
+        yield
+    except StartupError:
+        raise
+    except Exception as exc:
+        raise StartupError(f"{what} failed to start: {type(exc).__name__}: {exc}") from exc
+    say(f"{what} ready ({time.time() - t0:.1f}s)")
+
+
+# ------------------------------------------------------------------------------------- run dir
+def prepare_run_dir(cfg: Config) -> Path:
     run_dir = cfg.run_path
-    run_dir.mkdir(parents=True, exist_ok=True)
+    for sub in ("checkpoints", "samples", "plots"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
     (run_dir / "config.resolved.json").write_text(cfg.to_json())
-    print(f"[launch] config validated; resolved config written to {run_dir / 'config.resolved.json'}")
-    print("[launch] the training topology is not built yet (end-to-end issue); nothing to run.", file=sys.stderr)
-    return 3
+    return run_dir
+
+
+def find_resume(cfg: Config, run_dir: Path) -> Path | None:
+    from asyncrl.learner.checkpoint import latest_checkpoint
+
+    mode = cfg.trainer.resume
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return latest_checkpoint(run_dir / "checkpoints")
+    path = Path(mode)
+    if not path.exists():
+        raise StartupError(f"trainer.resume: checkpoint {path} does not exist")
+    return path
+
+
+# ------------------------------------------------------------------------------------- topology
+@dataclass
+class Topology:
+    cfg: Config
+    run_dir: Path
+    namespace: str
+    buffer: Any = None
+    buffer_address: str = ""
+    coordinator: Any = None
+    verifier: Any = None
+    learner: Any = None
+    weights: Any = None
+    actors: dict[str, Any] = field(default_factory=dict)
+    actor_cls: Any = None
+    next_actor_index: int = 0
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in list(self.actors.values()):
+            try:
+                ray.get(actor.shutdown.remote(), timeout=15)
+            except Exception:  # noqa: BLE001 - tearing down; the kill below is the backstop
+                pass
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        if self.learner is not None:
+            self.learner.shutdown()
+        if self.verifier is not None:
+            try:
+                from ray import serve
+
+                serve.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.buffer is not None:
+            try:
+                ray.get(self.buffer.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def ray_init(cfg: Config, namespace: str) -> None:
+    import ray
+
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE":
+                        os.environ.get("HF_HUB_OFFLINE", "1"), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+                        "VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.rollout.cpu_kvcache_gb))),
+                        "PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+    if cfg.cluster.ray_address:
+        try:
+            ray.init(address=cfg.cluster.ray_address, namespace=namespace, runtime_env=env, logging_level="WARNING")
+        except Exception as exc:
+            raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}") from exc
+    else:
+        num_cpus = cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2)
+        ray.init(num_cpus=num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=namespace, runtime_env=env,
+                 include_dashboard=False, logging_level="WARNING")
+
+
+def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
+    """Every component of a job, in start order. Each step is timed and fails with its name."""
+    import ray
+
+    from asyncrl.actors.rollout import make_rollout_actor_class
+    from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
+    from asyncrl.data import load_rows
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.replay.host import BufferHost
+    from asyncrl.serve.deploy import deploy_verifier
+
+    namespace = ray.get_runtime_context().namespace
+    topo = Topology(cfg, run_dir, namespace)
+    timeout = cfg.cluster.startup_timeout_s
+    try:
+        with step_timer("data"):
+            rows = load_rows(cfg.data.train_files, cfg.data)
+            cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
+        with step_timer("coordinator"):
+            topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
+                name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None).remote(
+                rows, cfg.data.seed, cfg.data.shuffle,
+                stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None)
+            ray.get(topo.coordinator.get_state.remote(), timeout=timeout)
+        with step_timer("replay buffer"):
+            topo.buffer = BufferHost.options(num_cpus=0).remote(cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size)
+            topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+            if resume and (resume / "buffer").exists():
+                ray.get(topo.buffer.restore.remote(str(resume / "buffer")), timeout=timeout)
+        with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
+            topo.verifier = deploy_verifier(cfg)
+        with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
+            topo.learner = LearnerGroup(cfg)
+            if resume:
+                topo.learner.load_checkpoint(str(resume))
+            version = topo.learner.version
+            ray.get(topo.coordinator.set_version.remote(version))
+            ray.get(topo.buffer.set_version.remote(version))
+        with step_timer("weight store (initial weights)"):
+            topo.learner.publish_to_store()
+        with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
+            topo.actor_cls = make_rollout_actor_class(cfg)
+            start_actors(topo, cfg.rollout.num_actors, timeout)
+        with step_timer("weight group"):
+            topo.learner.rebuild_weight_group(list(topo.actors.items()))
+    except BaseException:
+        topo.shutdown()
+        raise
+    return topo
+
+
+def start_actors(topo: Topology, count: int, timeout: float) -> list[str]:
+    import ray
+
+    new = {}
+    for _ in range(count):
+        actor_id = f"rollout-{topo.next_actor_index}"
+        topo.next_actor_index += 1
+        new[actor_id] = topo.actor_cls.options(name=actor_id).remote(
+            topo.cfg.model_dump_json(), actor_id, topo.buffer_address, topo.namespace)
+    reports = ray.get([a.start.remote() for a in new.values()], timeout=timeout)
+    for report in reports:
+        say(f"  {report['actor_id']}: engine up in {report['start_s']:.1f}s (weights v{report['version']})")
+    topo.actors.update(new)
+    return list(new)
+
+
+# ------------------------------------------------------------------------------------- signals
+class StopFlag:
+    """First SIGINT/SIGTERM: stop gracefully (checkpoint, shut down). Second: exit at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if self.requested:
+            say("second signal: exiting now")
+            os._exit(130)
+        self.requested = True
+        say(f"{signal.Signals(signum).name}: stopping admission, checkpointing, shutting down "
+            "(send again to exit at once)")
+
+
+def run(cfg: Config) -> int:
+    import ray
+
+    run_dir = prepare_run_dir(cfg)
+    stop = StopFlag()
+    stop.install()
+    namespace = f"asyncrl-{cfg.trainer.experiment_name}-{os.getpid()}"
+    topo = None
+    try:
+        resume = find_resume(cfg, run_dir)
+        with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
+            ray_init(cfg, namespace)
+        topo = build_topology(cfg, run_dir, resume)
+        (run_dir / "job.json").write_text(json.dumps({
+            "ray_address": ray.get_runtime_context().gcs_address, "namespace": namespace,
+            "coordinator": "coordinator", "pid": os.getpid(), "started": time.time()}))
+        from asyncrl.trainer import Trainer
+
+        return Trainer(cfg, topo, run_dir, stop, resume).train()
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if topo is not None:
+            say("shutting down")
+            topo.shutdown()
+        (run_dir / "job.json").unlink(missing_ok=True)
+        if ray.is_initialized():
+            ray.shutdown()

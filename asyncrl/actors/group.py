@@ -1,0 +1,164 @@
+"""From a prompt to a scored, wire-ready `Group` (and the same path for evaluation).
+
+This module binds the engine-agnostic guided protocol (asyncrl.actors.guided) to the three real
+parts a rollout actor owns: the policy engine (`generate`), the verifier client (`verify`) and the
+reward function. The evaluation command and the rollout actor share it, so evaluation measures
+exactly what training produces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from asyncrl.actors.guided import (
+    GroupDropped,
+    GuideOptions,
+    PolicyChat,
+    build_training_sample,
+    make_group,
+    run_group,
+    sample_metadata,
+)
+from asyncrl.config import Config
+from asyncrl.protocol import Group, Sample
+
+
+def make_generate(cfg: Config, engine: Any, *, overrides: dict[str, Any] | None = None):
+    """`generate(prompt_ids, seed)` for the guided driver, with the rollout's sampling settings."""
+    r = cfg.rollout
+    sampling = {"max_tokens": cfg.data.max_response_length, "temperature": r.temperature, "top_p": r.top_p,
+                "top_k": r.top_k}
+    sampling.update({k: v for k, v in (overrides or {}).items() if k in sampling})
+
+    async def generate(prompt_ids: list[int], seed: int | None):
+        return await engine.generate(prompt_ids, seed=seed, **sampling)
+
+    return generate
+
+
+def make_verify(cfg: Config, verifier: Any):
+    """`verify(messages)` through the service client with the guide's sampling settings."""
+    s = cfg.rollout.guide.sampling
+
+    async def verify(messages: list[dict[str, str]]):
+        return await verifier.chat(messages, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                   top_k=s.top_k if s.top_k > 0 else None, request_id=uuid.uuid4().hex)
+
+    return verify
+
+
+def guide_options(cfg: Config, training: bool) -> GuideOptions:
+    return GuideOptions.from_config(cfg.rollout.guide, max_prompt_length=cfg.data.max_prompt_length, training=training,
+                                    **({} if cfg.rollout.guide.enable else {"max_turns": 1}))
+
+
+async def run_guided_group(cfg: Config, prompt: dict[str, Any], engine: Any, verifier: Any, *,
+                           training: bool = True, n: int | None = None,
+                           sampling_overrides: dict[str, Any] | None = None) -> list[Any]:
+    """The `n` conversations of one prompt, run concurrently; raises GroupDropped under drop_group."""
+    chat = engine.chat if hasattr(engine, "chat") else PolicyChat(engine.tokenizer)
+    convs = make_group(prompt["messages"], chat=chat, options=guide_options(cfg, training), n=n or cfg.rollout.n,
+                       ground_truth=prompt.get("ground_truth"), base_seed=cfg.rollout.seed,
+                       prompt_index=int(prompt.get("index", 0)), prompt_uid=str(prompt.get("uid", "")))
+    if not cfg.rollout.guide.enable:  # single-turn GRPO: no verifier in the loop
+        async def verify(messages):  # noqa: ARG001 - stop after the only turn
+            return {"ok": True, "text": cfg.rollout.guide.stop_token, "version": "none"}
+    else:
+        verify = make_verify(cfg, verifier)
+    return await run_group(convs, make_generate(cfg, engine, overrides=sampling_overrides), verify)
+
+
+def reward_inputs(convs: list[Any], ground_truth: str | None) -> list[dict[str, Any]]:
+    """Guided-GRPO's reward-function input dicts (4.1): final policy turn, its length, the answer
+    and the verifier's hallucination score."""
+    items = []
+    for c in convs:
+        last = c.turns[-1]
+        items.append({"response": c.final_text, "response_length": len(last.token_ids),
+                      "ground_truth": ground_truth or "", "verifier_hallucination_score": c.hallucination_score})
+    return items
+
+
+async def score(reward_fn: Any, items: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Rewards off the event loop (graders may be slow; they must not stall the engine)."""
+    return await asyncio.to_thread(reward_fn, items)
+
+
+async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], reward_fn: Any, tokenizer: Any, *,
+                      actor_id: str, verifier: Any = None) -> tuple[Group, bool]:
+    """Score the conversations and pack them as a `Group`. Returns (group, dropped)."""
+    scores = await score(reward_fn, reward_inputs(convs, prompt.get("ground_truth")))
+    samples = []
+    for conv, parts in zip(convs, scores):
+        ts = build_training_sample(conv, cfg.rollout.guide.train_scope)
+        meta = sample_metadata(conv, include_text=True)
+        meta["scope_fallback"] = ts.fallback
+        samples.append(Sample(
+            uid=conv.uid or uuid.uuid4().hex, prompt_uid=str(prompt.get("uid", "")),
+            prompt_ids=ts.prompt_ids, response_ids=ts.response_ids, response_mask=ts.response_mask,
+            behaviour_logprobs=ts.behaviour_logprobs, token_versions=ts.token_versions,
+            reward=float(parts["overall"]), reward_parts={k: float(v) for k, v in parts.items()},
+            num_turns=conv.num_turns, finish_reason=str(conv.finish_reason),
+            verifier_version=str(meta.get("verifier_version") or ""), metadata=_jsonable(meta)))
+    group = Group.from_samples(samples, created_at=time.time(), actor_id=actor_id,
+                               metadata={"prompt_index": int(prompt.get("index", -1))})
+    return group, False
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, verifier: Any, *, mode: str = "both",
+                        max_concurrency: int = 32) -> dict[str, Any]:
+    """Greedy evaluation (rollout.val_override_config) of `rows` (PromptItem-like dicts with
+    `messages` and `ground_truth`): guided (verifier in the loop, no reference unless
+    verifier_sees_reference=always) and/or solver-only (one turn, no verifier)."""
+    from asyncrl.rewards import grade_final_answer
+
+    overrides = dict(cfg.rollout.val_override_config)
+    sem = asyncio.Semaphore(max_concurrency)
+    out: dict[str, Any] = {"num_rows": len(rows), "samples": []}
+
+    async def one(row: dict[str, Any], guided: bool) -> dict[str, Any]:
+        async with sem:
+            c = cfg if guided else cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+                "guide": cfg.rollout.guide.model_copy(update={"enable": False})})})
+            convs = await run_guided_group(c, row, engine, verifier, training=False, n=1,
+                                           sampling_overrides=overrides)
+            conv = convs[0]
+            correct = grade_final_answer(conv.final_text, row.get("ground_truth"))
+            meta = sample_metadata(conv, include_text=True)
+            return {"correct": correct, "turns": conv.num_turns, "meta": meta,
+                    "format": bool(conv.turns[-1].has_final_answer)}
+
+    modes = ["guided", "solver"] if mode == "both" else [mode]
+    for m in modes:
+        if m == "guided" and not cfg.rollout.guide.enable:
+            continue
+        results = await asyncio.gather(*(one(r, m == "guided") for r in rows))
+        n = max(len(results), 1)
+        out[f"{m}_accuracy"] = sum(r["correct"] for r in results) / n
+        if m == "guided":
+            out["mean_turns"] = sum(r["turns"] for r in results) / n
+            out["mean_policy_tokens"] = sum(r["meta"]["tokens"]["policy"] for r in results) / n
+            out["mean_verifier_tokens"] = sum(r["meta"]["tokens"]["user"] for r in results) / n
+            out["format_rate"] = sum(r["format"] for r in results) / n
+            out["hallucination_score"] = sum(r["meta"]["verifier_hallucination_score"] for r in results) / n
+            out["samples"] = [r["meta"] for r in results[:8]]
+    return out

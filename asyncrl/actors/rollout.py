@@ -1,0 +1,268 @@
+"""`RolloutActor`: one vLLM engine turning prompts into guided groups, forever.
+
+Loop (DESIGN.md §5): admission ticket from the buffer → a prompt from the coordinator → the `n`
+guided conversations of the group, concurrently (asyncrl.actors.guided; verifier through the
+service client) → rewards (off the event loop) → training samples for the configured
+`train_scope` → push the group (acknowledged by the buffer) → mark the prompt done.
+Up to `rollout.groups_in_flight` groups run at once, so the engine batches across groups.
+
+Guarantees
+- A group that was acknowledged by the buffer is never lost by this actor; a group that is not
+  finished when the actor stops is abandoned: its ticket is released and its prompt is re-issued by
+  the coordinator (so a restart loses nothing and repeats nothing that reached the buffer).
+- Every policy token carries the engine version that sampled it. Weight updates arrive while
+  conversations run (`in_flight`): the next turn uses the new weights, so one trajectory can span
+  versions, which the per-token versions record. With `between_groups` the actor stops starting
+  groups, lets the running ones finish, then loads the newest weights from the weight store.
+- A restarted actor (Ray `max_restarts`) loads the newest published weights before it generates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from asyncrl.config import Config
+
+log = logging.getLogger("asyncrl.rollout")
+
+
+class RolloutWorker:
+    """The actor's logic as a plain class (wrapped by `make_rollout_actor_class` for Ray)."""
+
+    def __init__(self, cfg_json: str, actor_id: str, buffer_address: str, namespace: str):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.cfg = Config.model_validate_json(cfg_json)
+        self.actor_id = actor_id
+        self.buffer_address = buffer_address
+        self.namespace = namespace
+        self.engine: Any = None
+        self._zmq = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")  # zmq sockets: one thread
+        self._running = False
+        self._tasks: set[asyncio.Task] = set()
+        self._paused_for_weights = False
+        # statistics since the last report
+        self._stats = Counter()
+        self._finish = Counter()
+        self._turns: deque[float] = deque(maxlen=512)
+        self._resp_len: deque[float] = deque(maxlen=512)
+        self._rewards: deque[float] = deque(maxlen=512)
+        self._unique: deque[float] = deque(maxlen=128)
+        self._idle_s = 0.0
+        self._t_report = time.time()
+        self._policy_tokens = 0
+        self._weight_update_s = 0.0
+
+    # ---------------------------------------------------------------- start-up
+    async def start(self) -> dict[str, Any]:
+        import ray
+
+        from asyncrl.actors.engine import PolicyEngine
+        from asyncrl.replay import BufferClient
+        from asyncrl.rewards import load_reward
+        from asyncrl.serve.client import VerifierClient
+
+        t0 = time.time()
+        self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
+        self.buffer = BufferClient(self.buffer_address)
+        self.engine = await PolicyEngine.create(self.cfg, actor_id=self.actor_id)
+        self.verifier = VerifierClient(self.cfg.verifier, app_name="verifier")
+        self.reward_fn = load_reward(self.cfg.reward)
+        self.tokenizer = self.engine.tokenizer
+        state = await self.coordinator.get_state.remote()
+        if state["version"] > 0:  # restarted or late joiner: newest weights first
+            await self.engine.load_weights_from_store(state["version"], namespace=self.namespace)
+        return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version}
+
+    # ---------------------------------------------------------------- main loop
+    async def run(self) -> dict[str, Any]:
+        """Produce groups until the coordinator says stop; returns final counters."""
+        self._running = True
+        limit = self.cfg.rollout.groups_in_flight
+        while self._running:
+            state = await self.coordinator.get_state.remote()
+            if state["stopping"]:
+                break
+            if len(self._tasks) >= limit or self._paused_for_weights or not state["admitting"]:
+                await self._idle(0.05)
+                continue
+            t_wait = time.time()
+            ticket = await asyncio.get_running_loop().run_in_executor(
+                self._zmq, lambda: self.buffer.acquire_ticket(timeout_s=1.0))
+            if ticket is None:
+                self._idle_s += time.time() - t_wait
+                continue
+            prompt = await self.coordinator.next_prompt.remote(self.actor_id)
+            if prompt is None:
+                await self._zmq_call(self.buffer.release_ticket, ticket)
+                await self._idle(0.1)
+                continue
+            self._idle_s += time.time() - t_wait
+            task = asyncio.create_task(self._group(prompt, ticket))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        await self._drain(abandon=True)
+        return dict(self._stats)
+
+    async def _idle(self, seconds: float) -> None:
+        t = time.time()
+        await asyncio.sleep(seconds)
+        self._idle_s += time.time() - t
+
+    async def _zmq_call(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._zmq, lambda: fn(*args, **kwargs))
+
+    async def _drain(self, abandon: bool, timeout_s: float = 30.0) -> None:
+        if not self._tasks:
+            return
+        done, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def stop(self) -> None:
+        self._running = False
+
+    # ---------------------------------------------------------------- one group
+    async def _group(self, prompt: dict[str, Any], ticket: int) -> None:
+        from asyncrl.actors.group import build_group, run_guided_group
+        from asyncrl.actors.guided import GroupDropped
+
+        pushed = False
+        try:
+            try:
+                convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, training=True)
+            except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
+                self._stats["groups_dropped_verifier_error"] += 1
+                await self._zmq_call(self.buffer.release_ticket, ticket)
+                await self.coordinator.complete.remote(prompt["index"])
+                pushed = True  # nothing to abandon
+                return
+            group, _ = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
+                                         actor_id=self.actor_id, verifier=self.verifier)
+            self._account(group, convs)
+            await self._zmq_call(self.buffer.push, group, ticket)
+            pushed = True
+            self._stats["groups_pushed"] += 1
+            await self.coordinator.complete.remote(prompt["index"])
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a failed group must not kill the actor: count, log, re-issue its prompt
+            log.exception("group for prompt %s failed", prompt.get("uid"))
+            self._stats["groups_failed"] += 1
+        finally:
+            if not pushed:
+                try:
+                    await self._zmq_call(self.buffer.release_ticket, ticket)
+                except Exception:  # noqa: BLE001 - best effort; the buffer's ticket lease also expires
+                    log.warning("could not release ticket %s", ticket)
+                await self.coordinator.abandon.remote(prompt["index"])
+
+    def _account(self, group: Any, convs: list[Any]) -> None:
+        texts = set()
+        for sample in group.samples:
+            self._turns.append(sample.num_turns)
+            self._finish[sample.finish_reason] += 1
+            self._rewards.append(sample.reward)
+            n_policy = int(sample.response_mask.sum())
+            self._resp_len.append(n_policy)
+            self._policy_tokens += n_policy
+            texts.add(bytes(sample.response_ids.tobytes()))
+        if group.samples:
+            self._unique.append(len(texts) / len(group.samples))
+
+    # ---------------------------------------------------------------- weights
+    async def receive_weights(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """Join one broadcast from learner rank 0 (plan made by the sender) and load it."""
+        t0 = time.time()
+        if self.cfg.rollout.weight_update_mode == "between_groups" and self._tasks:
+            return {"actor_id": self.actor_id, "skipped": True}
+        report = await self.engine.update_weights_from_group(plan)
+        self._weight_update_s += time.time() - t0
+        return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0, **report}
+
+    async def catch_up(self, version: int) -> dict[str, Any]:
+        """Fetch `version` from the weight store (dropped by the watchdog, between_groups, late join)."""
+        t0 = time.time()
+        if self.cfg.rollout.weight_update_mode == "between_groups":
+            self._paused_for_weights = True
+            await self._drain(abandon=False, timeout_s=600)
+        try:
+            await self.engine.load_weights_from_store(version, namespace=self.namespace)
+        finally:
+            self._paused_for_weights = False
+        self._weight_update_s += time.time() - t0
+        return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0}
+
+    def version(self) -> int:
+        return self.engine.version if self.engine is not None else -1
+
+    # ---------------------------------------------------------------- evaluation and stats
+    async def evaluate(self, rows: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+        from asyncrl.actors.group import evaluate_rows
+
+        return await evaluate_rows(self.cfg, rows, self.engine, self.verifier, mode=mode)
+
+    def stats(self) -> dict[str, Any]:
+        """Rollout metrics since the previous call (rates) and over recent groups (means)."""
+        now = time.time()
+        dt = max(now - self._t_report, 1e-6)
+        mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)  # noqa: E731
+        out = {
+            "rollout/tokens_per_s": self._policy_tokens / dt,
+            "rollout/groups_per_s": self._stats["groups_pushed"] / dt,
+            "rollout/turns_mean": mean(self._turns),
+            "rollout/response_len_mean": mean(self._resp_len),
+            "rollout/reward_mean": mean(self._rewards),
+            "rollout/idle_ratio": min(1.0, self._idle_s / dt),
+            "rollout/weight_update_s": self._weight_update_s,
+            "rollout/group_unique_frac": mean(self._unique),
+            "rollout/groups_in_flight": len(self._tasks),
+            "rollout/version": self.version(),
+            "rollout/groups_pushed": self._stats["groups_pushed"],
+            "rollout/groups_failed": self._stats["groups_failed"],
+            "rollout/groups_dropped_verifier_error": self._stats["groups_dropped_verifier_error"],
+            "rollout/policy_tokens": self._policy_tokens,
+        }
+        total = sum(self._finish.values()) or 1
+        for reason, count in self._finish.items():
+            out[f"rollout/finish_reason/{reason}"] = count / total
+        if self.verifier is not None:
+            out.update(self.verifier.metrics())
+        self._stats["groups_pushed"] = 0
+        self._policy_tokens = 0
+        self._idle_s = 0.0
+        self._weight_update_s = 0.0
+        self._t_report = now
+        return out
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def shutdown(self) -> None:
+        self._running = False
+        await self._drain(abandon=True, timeout_s=5)
+        if self.engine is not None:
+            await self.engine.shutdown()
+        self._zmq.shutdown(wait=False)
+
+
+def make_rollout_actor_class(cfg: Config):
+    """The Ray actor class with the role's resources (fractional CPUs on a CPU machine)."""
+    import ray
+
+    r = cfg.rollout
+    return ray.remote(
+        num_cpus=r.cpus_per_actor,
+        num_gpus=r.gpus_per_actor,
+        max_restarts=r.max_restarts,
+        max_task_retries=0,
+        max_concurrency=1000,
+    )(RolloutWorker)

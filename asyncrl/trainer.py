@@ -1,0 +1,342 @@
+"""The learner-paced training loop of a running job (the topology is built by asyncrl.runtime).
+
+Per step: the learner takes a batch of B groups for its version from the replay buffer (waiting is
+`perf/learner_idle_ratio`), trains, bumps the version and broadcasts the new weights to every
+rollout engine (`perf/weight_sync_s`); then metrics from every part are logged under one step,
+control commands from `asyncrl.ctl` are executed, dead rollout actors are restarted with the newest
+weights, and checkpoints/evaluations happen on their schedule. The rollout fleet is never paused
+for the learner: it is paced only by the buffer's admission tickets (staleness bound).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config, VerifierConfig
+from asyncrl.metrics import MetricLogger, format_console, save_plots
+from asyncrl.runtime import StopFlag, Topology, say, start_actors
+
+EVAL_KEYS = ("guided_accuracy", "solver_accuracy", "mean_turns", "mean_policy_tokens", "mean_verifier_tokens",
+             "format_rate", "hallucination_score")
+
+
+class Trainer:
+    def __init__(self, cfg: Config, topo: Topology, run_dir: Path, stop: StopFlag, resume: Path | None):
+        self.cfg = cfg
+        self.topo = topo
+        self.run_dir = run_dir
+        self.stop = stop
+        self.resume = resume
+        self.logger = MetricLogger(run_dir, cfg.trainer.logger, cfg.trainer.project_name,
+                                   cfg.trainer.experiment_name, cfg.model_dump(mode="json"))
+        self.loops: dict[str, Any] = {}
+        self.version = topo.learner.version
+        self.step = topo.learner.step
+        self.summary: dict[str, Any] = {}
+        self.t_start = time.time()
+        self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+
+    # ------------------------------------------------------------------ main
+    def train(self) -> int:
+        import ray
+
+        cfg = self.cfg
+        if cfg.trainer.eval_before_after and cfg.data.test_files and self.resume is None:
+            self.summary["before"] = self.evaluate("test", tag="before")
+        for actor_id in self.topo.actors:
+            self._start_loop(actor_id)
+        tty = sys.stdout.isatty()
+        bar = None
+        if tty:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.trainer.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+        rc = 0
+        while self.step < cfg.trainer.max_steps and not self.stop.requested:
+            metrics = self.train_one_step()
+            self.step += 1
+            self.logger.log(self.step, metrics)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(format_console(self.step, cfg.trainer.max_steps, metrics).split(" | ", 1)[-1])
+            else:
+                say(format_console(self.step, cfg.trainer.max_steps, metrics))
+            self.handle_commands()
+            self.heal_actors()
+            if cfg.trainer.save_every > 0 and self.step % cfg.trainer.save_every == 0:
+                self.checkpoint()
+            if cfg.trainer.eval_every > 0 and self.step % cfg.trainer.eval_every == 0 and cfg.data.val_files:
+                result = self.evaluate("val", tag=f"step_{self.step}")
+                self.logger.log(self.step, {f"eval/{k}": v for k, v in result.items() if k in EVAL_KEYS})
+            if self._stop_requested_by_ctl:
+                break
+        if bar is not None:
+            bar.close()
+        # Graceful end: no new groups; what is in flight is abandoned and re-issued on resume.
+        ray.get(self.topo.coordinator.set_stopping.remote())
+        self._stop_loops()
+        self.checkpoint()
+        if cfg.trainer.eval_before_after and cfg.data.test_files and not self.stop.requested:
+            self.summary["after"] = self.evaluate("test", tag="after")
+        self.finish()
+        return rc
+
+    _stop_requested_by_ctl = False
+
+    def train_one_step(self) -> dict[str, Any]:
+        import ray
+
+        cfg, topo = self.cfg, self.topo
+        t0 = time.time()
+        learner_metrics = topo.learner.step_from_buffer(topo.buffer_address, cfg.data.rollout_batch_size,
+                                                        timeout_s=cfg.learner.batch_timeout_s)
+        t1 = time.time()
+        self.version = learner_metrics.get("train/version", self.version + 1)
+        sync = topo.learner.sync_weights(topo.actors, self.version)
+        t2 = time.time()
+        ray.get([topo.coordinator.set_version.remote(self.version)])
+        wait_s = learner_metrics.get("perf/batch_wait_s", 0.0)
+        step_s = t2 - t0
+        self.totals["learner_wait_s"] += wait_s
+        self.totals["train_s"] += (t1 - t0) - wait_s
+        self.totals["sync_s"] += t2 - t1
+        self.totals["trained_tokens"] += learner_metrics.get("perf/train_tokens", 0)
+        metrics = dict(learner_metrics)
+        metrics.update(ray.get(topo.buffer.stats.remote()))
+        metrics.update(self._rollout_stats())
+        metrics.update({
+            "perf/step_s": step_s,
+            "perf/weight_sync_s": t2 - t1,
+            "perf/learner_idle_ratio": min(1.0, wait_s / max(step_s, 1e-9)),
+            "perf/tokens_per_s": learner_metrics.get("perf/train_tokens", 0) / max(step_s, 1e-9),
+            "perf/rollout_actors": len(topo.actors),
+            "perf/weight_sync_dropped": len(sync.get("dropped", [])),
+            "verifier/version": 0.0,
+        })
+        metrics.pop("verifier/version", None)
+        return metrics
+
+    def _rollout_stats(self) -> dict[str, Any]:
+        import ray
+
+        refs = {aid: a.stats.remote() for aid, a in self.topo.actors.items()}
+        per_actor = {}
+        for aid, ref in refs.items():
+            try:
+                per_actor[aid] = ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - a dead actor is healed after the step; skip its stats
+                continue
+        if not per_actor:
+            return {}
+        out: dict[str, Any] = {}
+        keys = {k for s in per_actor.values() for k in s}
+        summed = ("rollout/tokens_per_s", "rollout/groups_per_s", "rollout/groups_pushed", "rollout/groups_failed",
+                  "rollout/groups_dropped_verifier_error", "rollout/policy_tokens", "rollout/groups_in_flight")
+        for key in keys:
+            values = [s[key] for s in per_actor.values() if isinstance(s.get(key), (int, float))]
+            if not values:
+                continue
+            out[key] = sum(values) if key in summed else sum(values) / len(values)
+        out["perf/rollout_idle_ratio"] = out.get("rollout/idle_ratio", 0.0)
+        return out
+
+    # ------------------------------------------------------------------ actors
+    def _start_loop(self, actor_id: str) -> None:
+        self.loops[actor_id] = self.topo.actors[actor_id].run.remote()
+
+    def _stop_loops(self, actor_ids: list[str] | None = None, timeout: float = 60.0) -> None:
+        import ray
+
+        ids = actor_ids or list(self.loops)
+        for aid in ids:
+            actor = self.topo.actors.get(aid)
+            if actor is not None:
+                actor.stop.remote()
+        refs = [self.loops.pop(aid) for aid in ids if aid in self.loops]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
+    def heal_actors(self) -> None:
+        """A rollout loop that ended with an error means its actor died: Ray restarts the process
+        (max_restarts); we re-issue its prompts, start it again with the newest weights, rebuild the
+        weight group."""
+        import ray
+
+        if not self.loops:
+            return
+        done, _ = ray.wait(list(self.loops.values()), num_returns=len(self.loops), timeout=0)
+        changed = False
+        for ref in done:
+            aid = next(a for a, r in self.loops.items() if r == ref)
+            try:
+                ray.get(ref)
+                continue  # ended normally (stop requested)
+            except Exception as exc:  # noqa: BLE001 - actor death is expected here; we heal it
+                say(f"{aid} died ({type(exc).__name__}); re-issuing its prompts and restarting it")
+            lost = ray.get(self.topo.coordinator.abandon_actor.remote(aid))
+            self.loops.pop(aid)
+            try:
+                report = ray.get(self.topo.actors[aid].start.remote(), timeout=self.cfg.cluster.startup_timeout_s)
+                say(f"{aid} restarted at weights v{report['version']} ({lost} prompt(s) re-issued)")
+                self._start_loop(aid)
+                changed = True
+            except Exception as exc:  # noqa: BLE001
+                say(f"{aid} could not be restarted ({exc}); removing it")
+                ray.kill(self.topo.actors.pop(aid), no_restart=True)
+                changed = True
+        if changed:
+            self.topo.learner.rebuild_weight_group(list(self.topo.actors.items()))
+
+    # ------------------------------------------------------------------ ctl commands
+    def handle_commands(self) -> None:
+        import ray
+
+        for cmd in ray.get(self.topo.coordinator.take_commands.remote()):
+            try:
+                result = getattr(self, f"cmd_{cmd['command'].replace('-', '_')}")(**cmd["args"])
+            except Exception as exc:  # noqa: BLE001 - report to the ctl caller instead of crashing the job
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            say(f"ctl {cmd['command']}: {json.dumps(result, default=str)}")
+            ray.get(self.topo.coordinator.post_result.remote(cmd["id"], result))
+
+    def cmd_scale(self, n: int) -> dict[str, Any]:
+        current = list(self.topo.actors)
+        if n > len(current):
+            added = start_actors(self.topo, n - len(current), self.cfg.cluster.startup_timeout_s)
+            for aid in added:
+                self._start_loop(aid)
+            self.topo.learner.rebuild_weight_group(list(self.topo.actors.items()))
+            return {"ok": True, "added": added, "actors": sorted(self.topo.actors)}
+        removed = current[n:]
+        self._stop_loops(removed)
+        import ray
+
+        for aid in removed:
+            ray.get(self.topo.coordinator.abandon_actor.remote(aid))
+            actor = self.topo.actors.pop(aid)
+            try:
+                ray.get(actor.shutdown.remote(), timeout=15)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(actor, no_restart=True)
+            ray.get(self.topo.coordinator.drop_actor_stats.remote(aid))
+        self.topo.learner.rebuild_weight_group(list(self.topo.actors.items()))
+        return {"ok": True, "removed": removed, "actors": sorted(self.topo.actors)}
+
+    def cmd_swap_verifier(self, verifier: dict[str, Any]) -> dict[str, Any]:
+        from asyncrl.serve.deploy import swap_verifier
+
+        new = VerifierConfig.model_validate(verifier)
+        cfg = self.cfg.model_copy(update={"verifier": new})
+        report = swap_verifier(cfg)
+        if report.get("ok"):
+            self.cfg = cfg
+        return report
+
+    def cmd_checkpoint(self) -> dict[str, Any]:
+        path = self.checkpoint()
+        return {"ok": True, "path": str(path), "step": self.step, "version": self.version}
+
+    def cmd_stop(self) -> dict[str, Any]:
+        self._stop_requested_by_ctl = True
+        return {"ok": True, "message": f"stopping after step {self.step}"}
+
+    # ------------------------------------------------------------------ checkpoints and evaluation
+    def checkpoint(self) -> Path:
+        """Learner state + buffer snapshot + data cursor, written atomically by the learner's
+        checkpoint writer (the buffer and cursor go into its staging directory first)."""
+        import ray
+
+        topo = self.topo
+
+        def extra(staging: Path) -> None:
+            ray.get(topo.buffer.snapshot.remote(str(staging / "buffer")))
+            cursor = ray.get(topo.coordinator.cursor_state.remote())
+            (staging / "data_cursor.json").write_text(json.dumps(cursor))
+            (staging / "run_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
+                                                                "actors": len(topo.actors)}))
+
+        t0 = time.time()
+        path = topo.learner.save_checkpoint(self.run_dir / "checkpoints", self.step, extra, self.cfg.trainer.save_limit)
+        say(f"checkpoint {path} ({time.time() - t0:.1f}s)")
+        return Path(path)
+
+    def evaluate(self, split: str, tag: str) -> dict[str, Any]:
+        import ray
+
+        from asyncrl.data import load_rows
+
+        files = self.cfg.data.test_files if split == "test" else self.cfg.data.val_files
+        rows = load_rows(files, self.cfg.data)
+        if self.cfg.trainer.eval_limit:
+            rows = rows[: self.cfg.trainer.eval_limit]
+        actors = list(self.topo.actors.values())
+        t0 = time.time()
+        # Split the rows over the actors' engines (they already hold the current weights).
+        shards = [rows[i:: len(actors)] for i in range(len(actors))]
+        parts = ray.get([a.evaluate.remote(s, "both") for a, s in zip(actors, shards) if s])
+        result = _merge_eval(parts)
+        result["seconds"] = time.time() - t0
+        result["version"] = self.version
+        (self.run_dir / "samples").mkdir(exist_ok=True)
+        samples = [s for p in parts for s in p.get("samples", [])][: self.cfg.trainer.samples_per_eval]
+        (self.run_dir / "samples" / f"{tag}.json").write_text(json.dumps(samples, indent=2))
+        say(f"eval {tag}: " + ", ".join(f"{k} {result[k]:.3f}" for k in EVAL_KEYS if k in result))
+        return {k: v for k, v in result.items() if k != "samples"}
+
+    def finish(self) -> None:
+        wall = time.time() - self.t_start
+        rows = self.logger.rows
+        self.summary.update({
+            "steps": self.step, "version": self.version, "wall_s": wall,
+            "trained_tokens": self.totals["trained_tokens"],
+            "trained_tokens_per_s": self.totals["trained_tokens"] / max(wall, 1e-9),
+            "learner_wait_s": self.totals["learner_wait_s"], "train_s": self.totals["train_s"],
+            "weight_sync_s": self.totals["sync_s"],
+        })
+        hist: list[int] = []
+        for r in rows:
+            h = r.get("buffer/staleness_hist")
+            if isinstance(h, list):
+                hist = [int(a) + int(b) for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+        self.summary["staleness_hist"] = hist
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2, default=float))
+        self.logger.close()
+        try:
+            save_plots(rows, self.run_dir / "plots")
+        except Exception as exc:  # noqa: BLE001 - plots are a convenience; never fail the run for them
+            say(f"plots not written: {exc}")
+        print_summary(self.summary)
+
+
+def _merge_eval(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    total = sum(p.get("num_rows", 0) for p in parts) or 1
+    out: dict[str, Any] = {"num_rows": total}
+    for key in EVAL_KEYS:
+        vals = [(p[key], p.get("num_rows", 0)) for p in parts if key in p]
+        if vals:
+            out[key] = sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1)
+    return out
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    before, after = summary.get("before", {}), summary.get("after", {})
+    lines = ["", "=" * 64, "asyncrl run summary", "=" * 64]
+    if before or after:
+        lines.append(f"{'':24}{'before':>12}{'after':>12}{'change':>12}")
+        for key in EVAL_KEYS:
+            if key in before or key in after:
+                b, a = before.get(key), after.get(key)
+                change = f"{a - b:+.3f}" if isinstance(a, float) and isinstance(b, float) else ""
+                lines.append(f"{key:24}{b if b is None else f'{b:.3f}':>12}{a if a is None else f'{a:.3f}':>12}{change:>12}")
+    lines.append(f"steps {summary.get('steps')}  wall {summary.get('wall_s', 0):.0f}s  trained tokens/s "
+                 f"{summary.get('trained_tokens_per_s', 0):.0f}  weight sync {summary.get('weight_sync_s', 0):.1f}s")
+    if summary.get("staleness_hist"):
+        lines.append(f"staleness of trained groups (lag: count): "
+                     + ", ".join(f"{i}: {c}" for i, c in enumerate(summary["staleness_hist"])))
+    lines.append("=" * 64)
+    print("\n".join(lines), flush=True)
