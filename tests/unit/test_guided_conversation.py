@@ -366,3 +366,19 @@ def test_step_protocol_misuse_raises(chat):
     assert isinstance(conv.next_step(), VerifyStep)
     with pytest.raises(RuntimeError):
         conv.on_generated([1], None, 0)
+
+
+def test_with_the_arith_rule_verifier(chat):
+    """End to end with the world's real rule verifier (asyncrl.tasks), adapted by rule_verify."""
+    tasks = pytest.importorskip("asyncrl.tasks")
+    from asyncrl.actors.guided import rule_verify
+
+    verify = rule_verify(tasks.get_rule_verifier("arith"))
+    policy = ScriptedPolicy(chat, ["4 * 8 = 30", "4 * 8 = 32", "32 - 6 = 26 <answer>\\boxed{26}</answer>"])
+    conv = Conversation([{"role": "user", "content": "Compute 4 * 8 - 6."}], chat=chat, ground_truth="26",
+                        options=GuideOptions(max_turns=5), seed=1)
+    run(conv, policy, verify)
+    assert conv.finish_reason == "verifier_stop" and conv.num_turns == 3
+    assert conv.hallucination_scores == [0, 1, None]  # wrong step, right step, STOP
+    assert conv.turns[0].reply.kind == "guidance" and "[SCORE]" not in conv.turns[0].user_content
+    assert sample_metadata(conv)["verifier_version"] == "rule"
