@@ -1,0 +1,113 @@
+"""`python -m asyncrl.bench e2e --config X.yaml [--steps N]`: the real system, synchronous vs async.
+
+Runs the full topology twice back to back in one invocation: first with `buffer.max_staleness=0`
+(synchronous on-policy: the fleet only generates for the current version, so each step costs
+rollout time R plus train+sync time T), then with the configured staleness (the fleet keeps
+generating while the learner trains, so a step costs about max(R, T)). From the synchronous run,
+R is the learner's wait for its batch per step and T the train+sync time per step, giving the ideal
+speedup (R + T) / max(R, T); the measured speedup is the ratio of steady-state step rates.
+Also reported per run: trained tokens/s, steps/s, learner and rollout idle ratios, weight-sync
+seconds, the staleness histogram of trained groups, and reward per wall-clock second.
+Steady state skips the first `--warmup` steps (engine warm-up, first admissions).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from asyncrl.bench.common import print_table
+from asyncrl.config import Config
+
+
+def measure(cfg: Config, steps: int, warmup: int, tag: str) -> dict[str, Any]:
+    """One real run of `steps` learner steps; returns its steady-state figures."""
+    from asyncrl.runtime import run
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.trainer.max_steps = steps
+    cfg.trainer.eval_before_after = False
+    cfg.trainer.eval_every = -1
+    cfg.trainer.save_every = -1
+    cfg.trainer.logger = ["jsonl"]
+    cfg.trainer.resume = "never"
+    cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}-bench-{tag}"
+    run_dir = cfg.run_path
+    if (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()
+    rc = run(cfg)
+    if rc != 0:
+        raise RuntimeError(f"e2e run {tag} exited with {rc}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[warmup:] if len(rows) > warmup + 1 else rows
+    wall = steady[-1]["time"] - steady[0]["time"] + steady[0].get("perf/step_s", 0.0)
+    tokens = sum(r.get("perf/train_tokens", 0) for r in steady)
+    hist: list[int] = []
+    for r in rows:
+        h = r.get("buffer/staleness_hist") or []
+        hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), list(h) + [0] * (len(hist) - len(h)))]
+    mean = (lambda k: statistics.fmean(r.get(k, 0.0) for r in steady))  # noqa: E731
+    wait = mean("perf/batch_wait_s")
+    step_s = mean("perf/step_s")
+    return {
+        "max_staleness": cfg.buffer.max_staleness, "rollout_actors": cfg.rollout.num_actors, "steps": len(rows),
+        "steady_steps": len(steady), "steady_wall_s": wall, "steps_per_s": len(steady) / max(wall, 1e-9),
+        "trained_tokens_per_s": tokens / max(wall, 1e-9), "step_s": step_s, "rollout_s_per_step": wait,
+        "train_sync_s_per_step": step_s - wait, "learner_idle_ratio": mean("perf/learner_idle_ratio"),
+        "rollout_idle_ratio": mean("perf/rollout_idle_ratio"), "weight_sync_s": mean("perf/weight_sync_s"),
+        "staleness_hist": hist, "reward_mean": mean("rollout/reward_mean"),
+        "reward_per_s": mean("rollout/reward_mean") * len(steady) / max(wall, 1e-9),
+    }
+
+
+def run(cfg: Config, args) -> dict[str, Any]:
+    smoke = getattr(args, "smoke", False)
+    steps = 3 if smoke else 12
+    warmup = 1 if smoke else 3
+    staleness = max(1, cfg.buffer.max_staleness)
+    sync_cfg = cfg.model_copy(deep=True)
+    sync_cfg.buffer.max_staleness = 0
+    async_cfg = cfg.model_copy(deep=True)
+    async_cfg.buffer.max_staleness = staleness
+    sync = measure(sync_cfg, steps, warmup, "sync")
+    asyn = measure(async_cfg, steps, warmup, "async")
+    r, t = sync["rollout_s_per_step"], sync["train_sync_s_per_step"]
+    ideal = (r + t) / max(max(r, t), 1e-9)
+    speedup = asyn["steps_per_s"] / max(sync["steps_per_s"], 1e-9)
+    rows = [("sync steps/s", sync["steps_per_s"]), ("async steps/s", asyn["steps_per_s"]),
+            ("sync trained tok/s", sync["trained_tokens_per_s"]), ("async trained tok/s", asyn["trained_tokens_per_s"]),
+            ("R rollout s/step (sync)", r), ("T train+sync s/step (sync)", t),
+            ("ideal speedup (R+T)/max(R,T)", ideal), ("measured speedup", speedup),
+            ("fraction of ideal", speedup / ideal if ideal else float("nan")),
+            ("async staleness hist", str(asyn["staleness_hist"]))]
+    print_table(f"e2e: async (max_staleness={staleness}) vs sync (max_staleness=0)", rows)
+    _plot(sync, asyn, Path(getattr(args, "output", "bench")))
+    return {"speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal if ideal else None,
+            "sync": sync, "async": asyn, "steps": steps, "warmup": warmup,
+            "latency_model": {"gen_overhead_s": 0.0,
+                              "gen_tokens_per_s": sync["trained_tokens_per_s"] * sync["step_s"] / max(r, 1e-9)
+                              if r > 0 else 0.0,
+                              "train_tokens_per_s": sync["trained_tokens_per_s"] * sync["step_s"] / max(t, 1e-9)
+                              if t > 0 else 0.0}}
+
+
+def _plot(sync: dict[str, Any], asyn: dict[str, Any], out: Path) -> None:
+    import time
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar(["sync", "async"], [sync["trained_tokens_per_s"], asyn["trained_tokens_per_s"]], color=["grey", "C0"])
+    axes[0].set_ylabel("trained tokens/s")
+    h = asyn["staleness_hist"] or [0]
+    axes[1].bar(range(len(h)), h)
+    axes[1].set_xlabel("staleness of trained groups (async)")
+    fig.tight_layout()
+    fig.savefig(out / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.png", dpi=100)
+    plt.close(fig)
