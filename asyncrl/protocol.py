@@ -234,11 +234,12 @@ def _array_header(n: int) -> bytes:
 def _pack_ndarray(a: np.ndarray, parts: list[Any]) -> None:
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    a = np.ascontiguousarray(a)
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")
     dt = a.dtype.str.encode()
     head = struct.pack("<B", len(dt)) + dt + struct.pack(f"<B{a.ndim}Q", a.ndim, *a.shape)
     parts.append(b"\xc9" + struct.pack(">Ib", len(head) + a.nbytes, EXT_NDARRAY) + head)
-    parts.append(memoryview(a).cast("B") if a.ndim else a.tobytes())
+    parts.append(memoryview(a.reshape(-1).view(np.uint8)))
 
 
 def _pack(obj: Any, parts: list[Any]) -> None:
