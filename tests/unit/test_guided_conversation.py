@@ -321,9 +321,9 @@ def test_seeds_distinct_within_group_and_turns(chat):
     assert [c.seed for c in convs] == [sample_seed(1, 5, i) for i in range(8)]  # deterministic
     assert sample_seed(1, 6, 0) != sample_seed(1, 5, 0) and sample_seed(2, 5, 0) != sample_seed(1, 5, 0)
     policies = [ScriptedPolicy(chat, ["x"]) for _ in convs]
-    for c, p in zip(convs, policies):
+    for c, p in zip(convs, policies, strict=True):
         run(c, p, ScriptedVerifier(["again"]))
-    per_turn = list(zip(*[p.seeds for p in policies]))
+    per_turn = list(zip(*[p.seeds for p in policies], strict=True))
     assert len(per_turn) == 3 and all(len(set(s)) == 8 for s in per_turn)  # distinct at every turn
     assert all(len(set(p.seeds)) == 3 for p in policies)  # and across one sample's turns
     assert make_group([PROBLEM], chat=chat, options=opts, n=2, base_seed=None)[0].seed is None
@@ -382,3 +382,18 @@ def test_with_the_arith_rule_verifier(chat):
     assert conv.hallucination_scores == [0, 1, None]  # wrong step, right step, STOP
     assert conv.turns[0].reply.kind == "guidance" and "[SCORE]" not in conv.turns[0].user_content
     assert sample_metadata(conv)["verifier_version"] == "rule"
+
+
+def test_options_from_config():
+    from asyncrl.config import Config, GuideConfig
+
+    g = GuideConfig(max_turns=4, on_error="continue", history="guided_grpo", stop_token=" ###STOP### ")
+    o = GuideOptions.from_config(g, max_prompt_length=99, training=False)
+    assert (o.max_turns, o.on_error, o.history, o.stop_token, o.max_prompt_length, o.training) == \
+        (4, "continue", "guided_grpo", "###STOP###", 99, False)
+    assert GuideOptions() == GuideOptions.from_config(GuideConfig())  # same defaults as the config section
+    cfg = Config()
+    r = GuideOptions.from_root(cfg)
+    assert r.max_prompt_length == cfg.data.max_prompt_length and r.train_scope == cfg.rollout.guide.train_scope
+    with pytest.raises(ValueError, match="on_error"):
+        GuideOptions(on_error="ignore")

@@ -8,10 +8,10 @@ runtime values, the built-in format-prompt names resolve, and the files are decl
 from __future__ import annotations
 
 import hashlib
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from asyncrl import prompts
 

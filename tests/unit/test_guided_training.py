@@ -14,7 +14,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from asyncrl.actors.guided import Conversation, GuideOptions, PolicyChat, build_training_sample, sample_metadata
+from asyncrl.actors.guided import (
+    Conversation,
+    GuideOptions,
+    PolicyChat,
+    build_training_sample,
+    sample_metadata,
+)
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
@@ -44,7 +50,7 @@ def two_turns(chat: PolicyChat, scope: str = "final_turn") -> Conversation:
     conv.on_generated([50, 51, EOT], [-0.1, -0.2, -0.3], version=3)          # turn 1, policy v3
     conv.next_step()
     conv.on_verified({"ok": True, "text": "hint\n[SCORE] hallucination_detect=1", "version": "ver-A",
-                      "latency_ms": 12.5})
+                      "latency_ms": 12.5, "tokens": 9})
     conv.next_step()
     conv.on_generated([60, 61, 62, EOT], [-1.0, -1.1, -1.2, -1.3], version=4)  # turn 2, after an update
     conv.next_step()
@@ -111,7 +117,7 @@ def test_metadata(chat):
     assert m["num_turns"] == 2 and m["finish_reason"] == "max_turns"  # STOP without an answer at the last turn
     assert m["has_final_answer"] is False  # "text" of [60, 61, 62] is not an <answer>
     assert m["hallucination_scores"] == [1, None] and m["verifier_hallucination_score"] == 1.0
-    assert m["tokens"] == {"prompt": len(conv.initial_ids), "policy": 7, "user": len(chat.encode_user_turn("hint")),
+    assert m["tokens"] == {"prompt": len(conv.initial_ids), "policy": 7, "user": len(chat.encode_user_turn("hint")), "verifier": 9,
                            "policy_per_turn": [3, 4]}
     assert m["turn_versions"] == [3, 4] and m["verifier_version"] == "ver-A"
     assert m["verifier_latency_ms"] == [12.5, None] and m["verifier_errors"] == 0
@@ -120,3 +126,14 @@ def test_metadata(chat):
     assert m["messages"][2] == {"role": "user", "content": "hint"}
     import json
     json.dumps(m)  # JSON-able
+
+
+def test_group_metrics(chat):
+    from asyncrl.actors.guided import group_metrics
+
+    a, b = two_turns(chat), two_turns(chat)  # identical final turns -> 1 distinct of 2
+    m = group_metrics([a, b])
+    assert m["rollout/unique_final_fraction"] == 0.5 and m["rollout/num_turns"] == 2.0
+    assert m["rollout/finish_max_turns"] == 1.0 and m["rollout/finish_verifier_stop"] == 0.0
+    assert m["rollout/hallucination_score"] == 1.0 and m["rollout/verifier_errors"] == 0.0
+    assert group_metrics([]) == {}

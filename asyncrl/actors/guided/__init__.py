@@ -15,7 +15,7 @@ Modules (each docstring says where asyncrl follows the original and where it dep
 Typical use (rollout actor or eval):
 
     chat = PolicyChat(tokenizer)
-    opts = GuideOptions.from_config(cfg.rollout.guide, max_prompt_length=cfg.data.max_prompt_length)
+    opts = GuideOptions.from_root(cfg, training=True)   # or .from_config(cfg.rollout.guide, ...)
     convs = make_group(item.messages, chat=chat, options=opts, n=cfg.rollout.n,
                        ground_truth=item.ground_truth, base_seed=cfg.rollout.seed, prompt_index=item.index)
     await run_group(convs, generate, verify)
@@ -44,7 +44,12 @@ from asyncrl.actors.guided.driver import (
     run_group,
 )
 from asyncrl.actors.guided.options import CONTINUE_PROMPT, GuideOptions
-from asyncrl.actors.guided.training import TrainingSample, build_training_sample, sample_metadata
+from asyncrl.actors.guided.training import (
+    TrainingSample,
+    build_training_sample,
+    group_metrics,
+    sample_metadata,
+)
 from asyncrl.actors.guided.verifier_io import (
     NEUTRAL_HALLUCINATION_SCORE,
     SCORE_PATTERN,
@@ -75,6 +80,7 @@ __all__ = [
     "aggregate_hallucination",
     "build_training_sample",
     "flatten_content",
+    "group_metrics",
     "has_final_answer",
     "make_group",
     "parse_verifier_reply",

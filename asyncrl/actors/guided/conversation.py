@@ -116,6 +116,8 @@ class PolicyTurn:
     verifier_version: str | None = None
     verifier_error: str | None = None
     verifier_latency_ms: float | None = None
+    verifier_tokens: int | None = None
+    """Tokens the verifier generated for its reply, when the verifier reports it."""
     user_content: str | None = None
     """The user turn that followed (guidance or the continue prompt); None if none did."""
     user_ids: list[int] = field(default_factory=list)
@@ -237,9 +239,10 @@ class Conversation:
         optionally `latency_ms`), a dict with those keys, or a plain reply string (ok)."""
         if self.done or self._awaiting != "verify":
             raise RuntimeError("on_verified called when no verification was requested")
-        ok, text, version, error, latency = _unpack_verifier_result(result)
+        ok, text, version, error, latency, tokens = _unpack_verifier_result(result)
         turn = self.turns[-1]
-        turn.verifier_text, turn.verifier_version, turn.verifier_latency_ms = text, version, latency
+        turn.verifier_text, turn.verifier_version = text, version
+        turn.verifier_latency_ms, turn.verifier_tokens = latency, tokens
         self._awaiting = "generate"
         last = len(self.turns) >= self.options.max_turns
         if not ok:
@@ -327,12 +330,13 @@ class Conversation:
                                         self.options.prompt_template)
 
 
-def _unpack_verifier_result(result: Any) -> tuple[bool, str, str | None, str | None, float | None]:
+def _unpack_verifier_result(result: Any) -> tuple[bool, str, str | None, str | None, float | None, int | None]:
     if isinstance(result, str):
-        return True, result, None, None, None
+        return True, result, None, None, None, None
     get = result.get if isinstance(result, dict) else (lambda k, d=None: getattr(result, k, d))
     ok = bool(get("ok", True))
     text = get("text", "") or ""
     version = get("version", None)
-    latency = get("latency_ms", None)
-    return ok, str(text), (None if version is None else str(version)), get("error", None), latency
+    latency, tokens = get("latency_ms", None), get("tokens", None)
+    return (ok, str(text), None if version is None else str(version), get("error", None),
+            None if latency is None else float(latency), None if tokens is None else int(tokens))

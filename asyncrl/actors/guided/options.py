@@ -59,3 +59,9 @@ class GuideOptions:
         kwargs = {n: getattr(guide, n) for n in names if hasattr(guide, n)}
         kwargs.update(overrides)
         return cls(max_prompt_length=max_prompt_length, training=training, **kwargs)
+
+    @classmethod
+    def from_root(cls, cfg: Any, *, training: bool = True, **overrides: Any) -> GuideOptions:
+        """From a whole `asyncrl.config.Config`: `rollout.guide.*` + `data.max_prompt_length`."""
+        return cls.from_config(cfg.rollout.guide, max_prompt_length=cfg.data.max_prompt_length,
+                               training=training, **overrides)

@@ -23,6 +23,7 @@ of a full_turn sample is then at most max_prompt_length + max_response_length by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from asyncrl.actors.guided.conversation import Conversation
 
-__all__ = ["TrainingSample", "build_training_sample", "sample_metadata"]
+__all__ = ["TrainingSample", "build_training_sample", "sample_metadata", "group_metrics"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def build_training_sample(conversation: Conversation, scope: str | None = None) 
         m = _turn_mask(t.token_ids, eos)
         ids += t.token_ids
         mask += m
-        lps += [lp if k else 0.0 for lp, k in zip(t.logprobs, m)]
+        lps += [lp if k else 0.0 for lp, k in zip(t.logprobs, m, strict=True)]
         vers += [t.version if k else -1 for k in m]
         if i < len(turns) - 1:
             ids += t.user_ids
@@ -115,6 +116,7 @@ def sample_metadata(conversation: Conversation, *, include_text: bool = False) -
             "prompt": len(conv.initial_ids),
             "policy": sum(len(t.token_ids) for t in conv.turns),
             "user": user_tokens,
+            "verifier": sum(t.verifier_tokens or 0 for t in conv.turns),
             "policy_per_turn": [len(t.token_ids) for t in conv.turns],
         },
         "dropped_turns": max((t.dropped_turns for t in conv.turns), default=0),
@@ -128,3 +130,27 @@ def sample_metadata(conversation: Conversation, *, include_text: bool = False) -
         meta["messages"] = conv.messages()
         meta["verifier_texts"] = [t.verifier_text for t in conv.turns]
     return meta
+
+
+FINISH_REASONS = ("verifier_stop", "max_turns", "verifier_error", "length")
+
+
+def group_metrics(conversations: Sequence[Conversation]) -> dict[str, float]:
+    """Means over one group, named for the `rollout/` namespace: turns, finish-reason fractions,
+    verifier errors, hallucination score, and the fraction of distinct final responses (a
+    collapsed group, e.g. from shared seeds (11 item 2), scores low)."""
+    convs = list(conversations)
+    if not convs:
+        return {}
+    n = float(len(convs))
+    finals = {tuple(c.turns[-1].token_ids) if c.turns else () for c in convs}
+    out = {
+        "rollout/num_turns": sum(c.num_turns for c in convs) / n,
+        "rollout/unique_final_fraction": len(finals) / n,
+        "rollout/verifier_errors": sum(c.verifier_errors for c in convs) / n,
+        "rollout/hallucination_score": sum(c.hallucination_score for c in convs) / n,
+        "rollout/has_final_answer": sum(bool(c.turns and c.turns[-1].has_final_answer) for c in convs) / n,
+    }
+    for reason in FINISH_REASONS:
+        out[f"rollout/finish_{reason}"] = sum(c.finish_reason == reason for c in convs) / n
+    return out
