@@ -8,10 +8,12 @@ Public API:
 - `get_reward(name) -> fn(reward_inputs, **kwargs) -> list[dict]` — a built-in (batch convention).
 - `load_reward_function(spec, type="batch", kwargs=None) -> fn(reward_inputs) -> list[dict]` — a
   plug-in `path/to/file.py[:fn]`, whatever its type, returned in the batch convention.
-- `build_reward_fn(cfg_or_name_or_spec) -> fn(reward_inputs) -> list[dict]` (kwargs bound, validated).
+- `build_reward_fn(cfg_or_name_or_spec) -> fn(reward_inputs) -> list[dict]` (kwargs bound,
+  validated); `load_reward` is the same function.
 - `score_samples(fn_or_cfg, items) -> list[dict]`; `RewardScorer(cfg).score(items)` and
   `score(fn_or_cfg, items)` are the async forms that run in a thread pool.
-- `grade_answer(given, truth, timeout_s)`, `extract_boxed_content`, `answer_format_ok`.
+- `grade_answer(given, truth, timeout_s)`, `grade_final_answer(response, ground_truth)` (accuracy
+  of a final turn: last `\\boxed{}` graded), `extract_boxed_content`, `answer_format_ok`.
 Items / RewardInput dicts: `response`, `response_length`, `ground_truth`,
 optional `verifier_hallucination_score`.
 """
@@ -31,11 +33,19 @@ from asyncrl.rewards.grading import (
     answer_format_ok,
     extract_boxed_content,
     grade_answer,
+    grade_final_answer,
     grading_stats,
     normalize_answer,
 )
 from asyncrl.rewards.plugins import RewardFunctionError, load_reward_function, validate_scores
-from asyncrl.rewards.scorer import RewardScorer, build_reward_fn, reward_inputs, score, score_samples
+from asyncrl.rewards.scorer import (
+    RewardScorer,
+    build_reward_fn,
+    load_reward,
+    reward_inputs,
+    score,
+    score_samples,
+)
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -48,8 +58,10 @@ __all__ = [
     "extract_boxed_content",
     "get_reward",
     "grade_answer",
+    "grade_final_answer",
     "grading_stats",
     "guided_math_reward",
+    "load_reward",
     "load_reward_function",
     "math_reward",
     "normalize_answer",

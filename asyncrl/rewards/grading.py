@@ -39,6 +39,7 @@ __all__ = [
     "deadline",
     "extract_boxed_content",
     "grade_answer",
+    "grade_final_answer",
     "grading_stats",
     "normalize_answer",
     "strip_tag_whitespace",
@@ -271,3 +272,12 @@ def grade_answer(given: str | None, truth: str | None, timeout_s: float | None =
         _count("errors")
         log.debug("grading error (given=%.80r, truth=%.80r)", given, truth, exc_info=True)
         return False
+
+
+def grade_final_answer(response: str | None, ground_truth: str | None,
+                       timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
+    """Accuracy of a final policy turn as the math rewards define it (4.3): the LAST `\\boxed{}`
+    of the tag-whitespace-normalised response, graded against the reference."""
+    if response is None or ground_truth is None:
+        return False
+    return grade_answer(extract_boxed_content(strip_tag_whitespace(response)), ground_truth, timeout_s=timeout_s)

@@ -22,7 +22,7 @@ from typing import Any
 from asyncrl.rewards.builtin import BUILTIN_REWARDS
 from asyncrl.rewards.plugins import BatchReward, load_reward_function, validate_scores
 
-__all__ = ["RewardScorer", "build_reward_fn", "score", "score_samples", "reward_inputs"]
+__all__ = ["RewardScorer", "build_reward_fn", "load_reward", "score", "score_samples", "reward_inputs"]
 
 REQUIRED_KEYS = ("response", "response_length", "ground_truth")
 
@@ -57,6 +57,10 @@ def build_reward_fn(cfg: Any) -> BatchReward:
 
     call.where = where  # type: ignore[attr-defined]
     return call
+
+
+load_reward = build_reward_fn
+"""Alias: `load_reward(cfg.reward) -> fn(reward_inputs) -> list[dict]`."""
 
 
 def reward_inputs(items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
