@@ -397,3 +397,14 @@ def test_options_from_config():
     assert r.max_prompt_length == cfg.data.max_prompt_length and r.train_scope == cfg.rollout.guide.train_scope
     with pytest.raises(ValueError, match="on_error"):
         GuideOptions(on_error="ignore")
+
+
+def test_guided_grpo_history_rejects_multimodal(chat):
+    mm = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Angle?"}]}]
+    with pytest.raises(ValueError, match="history=full"):
+        Conversation(mm, chat=chat, options=GuideOptions(history="guided_grpo"), prompt_ids=[1, 2, 3])
+    conv = Conversation(mm, chat=chat, options=GuideOptions(), prompt_ids=[1, 2, 3], ground_truth="30")
+    v = ScriptedVerifier([STOP])
+    run(conv, ScriptedPolicy(chat, [ANSWER]), v)
+    assert conv.turns[0].prompt_ids == [1, 2, 3]  # the processor's ids are used as given
+    assert v.requests[0][1]["content"].startswith("### Problem Statement\n[IMAGE]\nAngle?\n\n")

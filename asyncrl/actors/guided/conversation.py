@@ -27,7 +27,12 @@ answer; at most `max_turns` policy turns. Departures, each for a reason:
 - history=full keeps the conversation append-only and token-exact (chat.py); history=guided_grpo
   reproduces the original's text rewriting (1.6: every turn the policy sees system + problem + all
   its own turns + only the latest user message), re-rendered and re-tokenised every turn.
-  Multimodal (list) content is never rewritten, as in the original.
+  Multimodal prompts need history=full (the caller passes the processor's expanded `prompt_ids`;
+  user turns are text); the original's multimodal path, which re-runs the processor every turn
+  (11 item 13), is not reproduced.
+- The verifier always sees every policy turn (1.9), also those dropped from the policy's context
+  for the budget under history=full; under guided_grpo it sees what the original's verifier sees,
+  the assistant messages left in the rewritten list.
 - Every sample has its own seed (`sample_seed`), each turn a distinct one (11 item 2).
 """
 
@@ -126,7 +131,13 @@ class PolicyTurn:
 
 
 class Conversation:
-    """State of one guided conversation; see the module docstring for the protocol."""
+    """State of one guided conversation; see the module docstring for the protocol.
+
+    `messages`: the initial chat (optional system, then the problem as the first user message);
+    `prompt_ids`: its token ids with the generation header (default: rendered with `chat`; pass
+    the processor's ids for images); `ground_truth`: the reference answer (shown to the verifier
+    per `verifier_sees_reference`); `seed`: this sample's seed (`sample_seed`), None = engine
+    default. Raises ValueError if the initial prompt alone exceeds `max_prompt_length`."""
 
     def __init__(self, messages: list[dict[str, Any]], *, chat: PolicyChat, options: GuideOptions,
                  ground_truth: str | None = None, prompt_ids: list[int] | None = None,
@@ -142,6 +153,9 @@ class Conversation:
         budget = options.max_prompt_length
         if budget is not None and len(self.initial_ids) > budget:
             raise ValueError(f"initial prompt has {len(self.initial_ids)} tokens > max_prompt_length {budget}")
+        if options.history == "guided_grpo" and any(isinstance(m.get("content"), list) for m in messages):
+            raise ValueError("history=guided_grpo re-renders text prompts every turn and cannot expand image "
+                             "tokens; use history=full for multimodal prompts (pass processor-made prompt_ids)")
         self.turns: list[PolicyTurn] = []
         self.finish_reason: FinishReason | None = None
         self.drop_group = False
@@ -303,9 +317,6 @@ class Conversation:
         if not self.turns:
             return list(self.initial_ids), 0
         msgs = self._gg_messages
-        if any(isinstance(m.get("content"), list) for m in msgs):  # multimodal: no rewriting (1.6)
-            ids = self.chat.encode_prompt(msgs)
-            return (ids if budget is None or len(ids) <= budget else None), 0
         system = [msgs[0]] if msgs[0].get("role") == "system" else []
         users = [i for i, m in enumerate(msgs) if m.get("role") == "user"]
         first_user, last_user = users[0], users[-1]

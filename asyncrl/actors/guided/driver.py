@@ -10,7 +10,8 @@ only in the two injected callables:
   for remote failures (asyncrl.serve's client returns ok=False); exceptions propagate, because
   they are bugs, not verifier errors.
 
-Conversations of a group run concurrently and independently (continuous batching in the engine
+All conversations of a group share one prompt, so a multimodal actor binds the group's images
+into its `generate` closure (one closure per group). Conversations of a group run concurrently and independently (continuous batching in the engine
 does the rest); the original runs every turn in lock-step over the whole batch (11 item 11).
 """
 
