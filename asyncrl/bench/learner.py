@@ -1,0 +1,191 @@
+"""`python -m asyncrl.bench learner [--smoke] --output DIR`: learner step throughput.
+
+Measures tokens/s of `LearnerWorker.train_step` (DeepSpeed engine, batching, log-prob
+recomputation, advantages, the configured loss, clipping, LR schedule) next to a bare torch loop
+(forward, token-mean NLL-style loss, backward, AdamW step) over the SAME micro-batches, in the
+same process and run. `ratio` = learner tokens/s / bare tokens/s (goal >= 0.9). Tokens are the
+real (unpadded) prompt + response tokens of the batch, counted once per pass.
+
+When `model.path` does not exist, a tiny random Qwen2 is built in a temporary directory
+(`build_tiny_qwen2`, also used by the tests). The run is one DeepSpeed rank in this process
+(world size 1, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["build_tiny_qwen2", "synthetic_groups", "run"]
+
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_qwen2(path: str | os.PathLike[str], *, vocab_words: int = 96, hidden: int = 64, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0) -> Path:
+    """A random Qwen2 (untied embeddings) + a WordLevel ChatML tokenizer, saved with save_pretrained.
+    Loads in transformers and vLLM. Returns the directory."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    words = [str(i) for i in range(10)] + list("+-*/=()?.,:") + ["\n", " ", "[UNK]", "user", "assistant", "system"]
+    words += [f"w{i}" for i in range(max(0, vocab_words - len(words)))]
+    vocab = {w: i for i, w in enumerate(_SPECIALS + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=r"\s+|\d|[^\w\s]", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", additional_special_tokens=_SPECIALS[1:])
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=2048, tie_word_embeddings=False,
+                      pad_token_id=vocab["<|endoftext|>"], eos_token_id=vocab["<|im_end|>"],
+                      bos_token_id=None, torch_dtype="float32")
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def synthetic_groups(num_groups: int, group_size: int, vocab_size: int, prompt_len: tuple[int, int],
+                     response_len: tuple[int, int], seed: int = 0, version: int = 0) -> list[Any]:
+    """Random groups with varied lengths, binary rewards and plausible behaviour log-probs."""
+    from asyncrl.protocol import Group, Sample
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        p = rng.integers(3, vocab_size, size=int(rng.integers(*prompt_len)))
+        samples = []
+        for i in range(group_size):
+            t = int(rng.integers(*response_len))
+            mask = np.ones(t, dtype=np.int8)
+            mask[: int(rng.integers(0, max(1, t // 4)))] = 0  # some untrained (e.g. guidance) tokens
+            mask[-1] = 1
+            samples.append(Sample(
+                uid=f"g{g}-s{i}", prompt_uid=f"g{g}", prompt_ids=p.astype(np.int32),
+                response_ids=rng.integers(3, vocab_size, size=t).astype(np.int32), response_mask=mask,
+                behaviour_logprobs=np.where(mask == 1, -rng.uniform(2.0, 6.0, t), 0.0).astype(np.float32),
+                token_versions=np.where(mask == 1, version, -1).astype(np.int32),
+                reward=float(rng.integers(0, 2)),
+            ))
+        groups.append(Group.from_samples(samples))
+    return groups
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bare_step(model: Any, opt: Any, micro: list[Any], temperature: float) -> None:
+    """Plain torch: forward, token-mean loss on response tokens, backward, clip, AdamW step."""
+    import torch
+
+    total = sum(mb.num_tokens for mb in micro)
+    for mb in micro:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    logits_to_keep=mb.response_len + 1, use_cache=False)
+        logits = out.logits[:, :-1].float() / temperature
+        target = mb.input_ids[:, -mb.response_len:]
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        loss = -(logp * mb.response_mask).sum() / max(total, 1)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run(cfg: Any, args: Any) -> dict[str, Any]:
+    import torch
+
+    from asyncrl.bench.common import print_table
+    from asyncrl.learner.batching import collate, flatten_groups, plan_micro_batches
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    smoke = bool(getattr(args, "smoke", False))
+    tmp = tempfile.TemporaryDirectory(prefix="asyncrl-bench-learner-")
+    if not Path(cfg.model.path).exists():
+        size = dict(hidden=64, layers=2, intermediate=128) if smoke else dict(hidden=256, layers=4, intermediate=704)
+        cfg.model.path = str(build_tiny_qwen2(Path(tmp.name) / "policy", **size))
+    cfg.learner.cpu_ranks = 1
+    cfg.learner.num_gpus = min(cfg.learner.num_gpus, 1)
+    cfg.trainer.run_dir = tmp.name
+    num_groups, n = (2, 4) if smoke else (8, 8)
+    lens = ((4, 12), (8, 24)) if smoke else ((32, 96), (64, 192))
+    steps = 2 if smoke else 4
+
+    from asyncrl.learner.learner import LearnerWorker
+
+    worker = LearnerWorker(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
+    vocab = worker.vocab_size
+    batches = [synthetic_groups(num_groups, n, vocab, *lens, seed=s) for s in range(steps + 1)]
+    worker.train_step(batches[0])  # warm-up (allocations, first-call kernels)
+    t0 = time.perf_counter()
+    tokens = 0
+    for b in batches[1:]:
+        m = worker.train_step(b)
+        tokens += int(m["perf/train_tokens"])
+    learner_s = time.perf_counter() - t0
+    learner_tps = tokens / learner_s
+
+    # Bare loop on the same micro-batches (same planner, same budget), same precision and device.
+    from transformers import AutoModelForCausalLM
+
+    device = worker.device
+    dtype = torch.bfloat16 if worker.precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(device)
+    model.train()
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learner.optim.lr)
+    micro_sets = []
+    for b in batches:
+        flat = flatten_groups(b)
+        idx = np.arange(flat.num_samples)
+        plan = plan_micro_batches(idx, flat.prompt_lengths, flat.response_lengths,
+                                  cfg.learner.micro_batch_tokens, cfg.learner.max_micro_batch_size)
+        micro_sets.append([collate(flat, rows, worker.pad_id).to(device) for rows in plan])
+    _bare_step(model, opt, micro_sets[0], cfg.rollout.temperature)
+    t0 = time.perf_counter()
+    for micro in micro_sets[1:]:
+        _bare_step(model, opt, micro, cfg.rollout.temperature)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    bare_s = time.perf_counter() - t0
+    bare_tps = tokens / bare_s
+    worker.close()
+    tmp.cleanup()
+    result = {
+        "ratio": learner_tps / bare_tps,
+        "learner_tokens_per_s": learner_tps,
+        "bare_tokens_per_s": bare_tps,
+        "learner_s": learner_s,
+        "bare_s": bare_s,
+        "tokens": tokens,
+        "steps": steps,
+        "samples_per_step": num_groups * n,
+        "zero_stage": cfg.learner.zero_stage,
+        "precision": worker.precision,
+        "device": str(device),
+        "off_policy_mode": cfg.learner.off_policy.mode,
+        "note": "learner recomputes pi_prox only when mini_batches * ppo_epochs > 1 (else the training "
+                "forward's detached log-probs are pi_prox); bare loop has no IS/clip/advantage math",
+    }
+    print_table("learner", [(k, v) for k, v in result.items() if not isinstance(v, (dict, list))])
+    return result
