@@ -356,7 +356,8 @@ class OffPolicyConfig(Section):
     mode: Literal["none", "bypass", "tis", "mis", "seq_tis", "seq_mis", "decoupled"] = "tis"
     """Correction between behaviour (engine) and proximal (learner at step start) policies."""
     cap: float = Field(2.0, gt=0)
-    """tis/seq_tis: upper clamp C of the importance weight; decoupled: clamp of pi_prox/mu."""
+    """tis/seq_tis: upper clamp C of the importance weight; decoupled: tokens whose pi_prox/mu
+    exceeds it get weight 0 (AReaL's behav_imp_weight_cap; AReaL uses 5)."""
     low: float = Field(0.5, ge=0)
     """mis/seq_mis: tokens (or sequences) with ratio below this are masked."""
     high: float = Field(2.0, gt=0)

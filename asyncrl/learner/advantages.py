@@ -38,12 +38,21 @@ Departs from Guided-GRPO:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
-__all__ = ["compute_advantages", "scores_to_token_rewards", "group_ids", "ESTIMATORS"]
+if TYPE_CHECKING:
+    from asyncrl.config import AlgorithmConfig
+
+__all__ = [
+    "compute_advantages",
+    "advantages_from_config",
+    "scores_to_token_rewards",
+    "group_ids",
+    "ESTIMATORS",
+]
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax"]
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax")
@@ -175,3 +184,22 @@ def _passk(scores: Tensor, gid: Tensor, std: Tensor, eps: float, norm_by_std: bo
         gap = r1 - r2
         adv[best] = gap / (std[best] + eps) if norm_by_std else gap
     return adv
+
+
+def advantages_from_config(
+    config: AlgorithmConfig,
+    rewards: Tensor,
+    group_index: Tensor | Sequence[Hashable],
+    response_mask: Tensor,
+    baseline_rewards: Tensor | None = None,
+) -> Tensor:
+    """`compute_advantages` with `algorithm.{adv_estimator, gamma, norm_adv_by_std}`."""
+    return compute_advantages(
+        config.adv_estimator,
+        rewards,
+        group_index,
+        response_mask,
+        norm_by_std=config.norm_adv_by_std,
+        gamma=config.gamma,
+        baseline_rewards=baseline_rewards,
+    )

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from asyncrl.learner.kl import kl_estimate
 
@@ -95,35 +94,68 @@ _LOG_RATIO_LIMIT = 20.0
 
 
 # ---------------------------------------------------------------------------------- log-probs
-def _logp_chunk(logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+def _scaled(chunk: Tensor, temperature: float) -> Tensor:
+    z = chunk.float()
+    return z / temperature if temperature != 1.0 else z
 
 
-def _entropy_chunk(logits: Tensor, temperature: float) -> Tensor:
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    lse = torch.logsumexp(x, dim=-1)
-    return lse - (torch.softmax(x, dim=-1) * x).sum(dim=-1)
+class _LogProbs(torch.autograd.Function):
+    """log softmax(x / T)[label] row-chunked; backward recomputes softmax per chunk
+    (d/dx_j = (1[j = label] - p_j) / T), so nothing of size [rows, V] is saved."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, chunk_rows: int) -> Tensor:  # type: ignore[override]
+        flat, lab = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, flat.shape[0], chunk_rows):
+            z = _scaled(flat[start : start + chunk_rows], temperature)
+            picked = z.gather(-1, lab[start : start + chunk_rows, None]).squeeze(-1)
+            out[start : start + chunk_rows] = picked - torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return out.reshape(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        logits, labels = ctx.saved_tensors
+        flat, lab, g = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), grad_out.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        rows = ctx.chunk_rows
+        for start in range(0, flat.shape[0], rows):
+            gc = g[start : start + rows, None]
+            d = torch.softmax(_scaled(flat[start : start + rows], ctx.temperature), dim=-1).mul_(-gc)
+            d.scatter_add_(1, lab[start : start + rows, None], gc)
+            grad[start : start + rows] = d.div_(ctx.temperature)
+        return grad.reshape(logits.shape), None, None, None
 
 
-def _chunked(fn, logits: Tensor, *args, chunk_rows: int) -> Tensor:
-    """Apply fn to row chunks of logits[..., V]; under autograd each chunk is checkpointed so only
-    the logits themselves stay alive (no fp32 [rows, V] copies kept for backward)."""
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    flat_args = [a.reshape(-1) for a in args]
-    outs = []
-    for start in range(0, flat.shape[0], chunk_rows):
-        piece = [flat[start : start + chunk_rows]] + [a[start : start + chunk_rows] for a in flat_args]
-        if torch.is_grad_enabled() and logits.requires_grad:
-            outs.append(checkpoint(fn, *piece, use_reentrant=False))
-        else:
-            outs.append(fn(*piece))
-    return torch.cat(outs).reshape(logits.shape[:-1])
+class _Entropy(torch.autograd.Function):
+    """H = -sum_j p_j log p_j of softmax(x / T), row-chunked; backward recomputes per chunk
+    (dH/dx_j = -p_j (log p_j + H) / T)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, chunk_rows: int) -> Tensor:  # type: ignore[override]
+        flat = logits.reshape(-1, logits.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, flat.shape[0], chunk_rows):
+            logq = torch.log_softmax(_scaled(flat[start : start + chunk_rows], temperature), dim=-1)
+            out[start : start + chunk_rows] = -(logq.exp() * logq).sum(dim=-1)
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return out.reshape(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        logits, entropy = ctx.saved_tensors
+        flat, g = logits.reshape(-1, logits.shape[-1]), grad_out.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        rows = ctx.chunk_rows
+        for start in range(0, flat.shape[0], rows):
+            logq = torch.log_softmax(_scaled(flat[start : start + rows], ctx.temperature), dim=-1)
+            h = entropy[start : start + rows, None]
+            d = logq.exp() * (logq + h)
+            grad[start : start + rows] = d.mul_(-g[start : start + rows, None] / ctx.temperature)
+        return grad.reshape(logits.shape), None, None
 
 
 def logprobs_from_logits(
@@ -131,14 +163,16 @@ def logprobs_from_logits(
 ) -> Tensor:
     """log softmax(logits / temperature) gathered at labels: [..., V], [...] -> [...] (fp32).
 
-    Computed in row chunks of fp32 (peak extra memory ~ chunk_rows x V x 4 bytes)."""
-    return _chunked(lambda x, y: _logp_chunk(x, y, temperature), logits, labels, chunk_rows=chunk_rows)
+    Row-chunked in fp32 forward and backward: besides the logits (and their gradient), peak
+    extra memory is ~ 2 x chunk_rows x V x 4 bytes; nothing of size [rows, V] is kept for
+    backward. Differentiable once (no double backward)."""
+    return _LogProbs.apply(logits, labels, float(temperature), int(chunk_rows))
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_rows: int = 1024) -> Tensor:
     """Entropy over the vocabulary of softmax(logits / temperature): [..., V] -> [...] (fp32),
-    chunked like `logprobs_from_logits`; differentiable."""
-    return _chunked(lambda x: _entropy_chunk(x, temperature), logits, chunk_rows=chunk_rows)
+    chunked like `logprobs_from_logits`; differentiable once."""
+    return _Entropy.apply(logits, float(temperature), int(chunk_rows))
 
 
 # ------------------------------------------------------------------------------ normalisers

@@ -10,7 +10,13 @@ import math
 import pytest
 import torch
 
-from asyncrl.learner.advantages import compute_advantages, group_ids, scores_to_token_rewards
+from asyncrl.config import AlgorithmConfig
+from asyncrl.learner.advantages import (
+    advantages_from_config,
+    compute_advantages,
+    group_ids,
+    scores_to_token_rewards,
+)
 
 torch.set_num_threads(1)
 
@@ -145,3 +151,10 @@ def test_unknown_estimator_and_shape_mismatch():
         compute_advantages("gae", torch.tensor([1.0, 2.0]), [0, 0], torch.ones(2, 1))
     with pytest.raises(ValueError, match="match"):
         compute_advantages("grpo", torch.tensor([1.0, 2.0]), [0, 0], torch.ones(3, 1))
+
+
+def test_advantages_from_config():
+    # algorithm.norm_adv_by_std = False -> grpo numerator only: [1, 2, 3] -> [-1, 0, 1]
+    config = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std=False)
+    adv = advantages_from_config(config, torch.tensor([1.0, 2.0, 3.0]), [0, 0, 0], torch.ones(3, 1))
+    assert _rowvals(adv) == pytest.approx([-1.0, 0.0, 1.0])

@@ -331,15 +331,24 @@ def test_chunked_helpers_match_unchunked_values_and_gradients():
     labels = torch.randint(0, 11, (3, 5), generator=g)
     lp = logprobs_from_logits(logits, labels, 0.7, chunk_rows=4)  # 15 rows -> 4 chunks
     ent = entropy_from_logits(logits, 0.7, chunk_rows=4)
-    (lp.sum() + ent.sum()).backward()
+    w1, w2 = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)  # non-uniform upstream grads
+    ((lp * w1).sum() + (ent * w2).sum()).backward()
     chunked_grad = logits.grad.clone()
     logits.grad = None
     logq = torch.log_softmax(logits / 0.7, dim=-1)
     ref_lp = logq.gather(-1, labels[..., None]).squeeze(-1)
     ref_ent = -(logq.exp() * logq).sum(-1)
-    (ref_lp.sum() + ref_ent.sum()).backward()
+    ((ref_lp * w1).sum() + (ref_ent * w2).sum()).backward()
     torch.testing.assert_close(lp, ref_lp)
     torch.testing.assert_close(ent, ref_ent)
     torch.testing.assert_close(chunked_grad, logits.grad)
-    with torch.no_grad():  # bf16 logits give fp32 outputs
-        assert logprobs_from_logits(logits.bfloat16(), labels).dtype == torch.float32
+    # bf16 logits: fp32 outputs, a bf16 gradient close to the fp32 one
+    half = logits.detach().bfloat16().requires_grad_()
+    out = logprobs_from_logits(half, labels, 0.7, chunk_rows=4)
+    assert out.dtype == torch.float32
+    (out * w1).sum().backward()
+    logits.grad = None
+    logq = torch.log_softmax(logits / 0.7, dim=-1)
+    (logq.gather(-1, labels[..., None]).squeeze(-1) * w1).sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(half.grad.float(), logits.grad, atol=3e-2, rtol=3e-2)
