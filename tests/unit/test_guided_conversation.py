@@ -110,6 +110,7 @@ def new_conv(chat, **opts) -> Conversation:
 # ------------------------------------------------------------------------------- token fidelity
 def test_pieces_derived_from_template(chat):
     assert chat.encode_user_turn("G") == chat.encode_text("\n<|im_start|>user\nG<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.user_turn_pieces == ("\n<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
     assert chat.eos_token_ids == {chat.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
 
@@ -408,3 +409,41 @@ def test_guided_grpo_history_rejects_multimodal(chat):
     run(conv, ScriptedPolicy(chat, [ANSWER]), v)
     assert conv.turns[0].prompt_ids == [1, 2, 3]  # the processor's ids are used as given
     assert v.requests[0][1]["content"].startswith("### Problem Statement\n[IMAGE]\nAngle?\n\n")
+
+
+QWEN25_LIKE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'system' and loop.first %}{%- else %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+INST_LIKE = "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% else %}{{ m.content }}{% endif %}{% endfor %}"
+
+
+def test_template_variants(tokenizer):
+    import copy
+
+    qwen = copy.deepcopy(tokenizer)
+    qwen.chat_template = QWEN25_LIKE
+    chat = PolicyChat(qwen)  # default system prompt rendered only at the start: the pieces are the same
+    assert chat.encode_user_turn("G") == chat.encode_text("\n<|im_start|>user\nG<|im_end|>\n<|im_start|>assistant\n")
+    conv = run(Conversation([PROBLEM], chat=chat, options=GuideOptions(), ground_truth="14"),
+               ScriptedPolicy(chat, ["x", ANSWER]), ScriptedVerifier(["Go on.", STOP]))
+    assert conv.turns[1].prompt_ids == chat.encode_prompt(conv.messages()[:-1])
+    thinking_off = PolicyChat(qwen, template_kwargs={"enable_thinking": False})  # a Qwen3-style kwarg
+    assert thinking_off.encode_user_turn("G") == chat.encode_text(
+        "\n<|im_start|>user\nG<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    inst = copy.deepcopy(tokenizer)
+    inst.chat_template = INST_LIKE  # closes no assistant turn with <|im_end|>: token-exact history impossible
+    inst_chat = PolicyChat(inst)
+    with pytest.raises(ValueError, match="history=guided_grpo"):
+        Conversation([PROBLEM], chat=inst_chat, options=GuideOptions(history="full"))
+    # the original's text rewriting works with any template
+    policy = ScriptedPolicy(inst_chat, ["x", ANSWER])
+    conv = run(Conversation([PROBLEM], chat=inst_chat, options=GuideOptions(history="guided_grpo")),
+               policy, ScriptedVerifier(["Go on.", STOP]))
+    assert conv.finish_reason == "verifier_stop"
+    assert policy.prompts[1] == inst_chat.encode_text(f"[INST] {PROBLEM['content']} [/INST]x[INST] Go on. [/INST]")

@@ -47,7 +47,7 @@ class PolicyChat:
         eot_id = self.tokenizer.convert_tokens_to_ids(self.end_of_turn)
         ids = set(eos_token_ids) if eos_token_ids is not None else {eot_id, self.tokenizer.eos_token_id}
         self.eos_token_ids: frozenset[int] = frozenset(i for i in ids if isinstance(i, int) and i >= 0)
-        self._user_pre, self._user_post = self._derive_user_turn_pieces()
+        self._pieces: tuple[str, str] | None = None  # derived on first use: only history=full needs them
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -68,7 +68,16 @@ class PolicyChat:
     def encode_user_turn(self, content: str) -> list[int]:
         """Ids that follow a policy turn's end-of-turn token: the rest of that turn's closing,
         the user message `content`, and the next assistant header."""
-        return self.encode_text(self._user_pre + content + self._user_post)
+        pre, post = self.user_turn_pieces
+        return self.encode_text(pre + content + post)
+
+    @property
+    def user_turn_pieces(self) -> tuple[str, str]:
+        """(text before, text after) a user message that follows a policy turn's end-of-turn token.
+        Raises ValueError if the template makes token-exact history impossible."""
+        if self._pieces is None:
+            self._pieces = self._derive_user_turn_pieces()
+        return self._pieces
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of sampled ids, special tokens skipped (as Guided-GRPO decodes policy turns)."""

@@ -156,6 +156,8 @@ class Conversation:
         if options.history == "guided_grpo" and any(isinstance(m.get("content"), list) for m in messages):
             raise ValueError("history=guided_grpo re-renders text prompts every turn and cannot expand image "
                              "tokens; use history=full for multimodal prompts (pass processor-made prompt_ids)")
+        if options.history == "full":
+            chat.user_turn_pieces  # noqa: B018 -- fail now, not mid-rollout, if the template cannot do it
         self.turns: list[PolicyTurn] = []
         self.finish_reason: FinishReason | None = None
         self.drop_group = False
