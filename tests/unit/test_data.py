@@ -1,0 +1,165 @@
+"""Proves the data loading and message building of GUIDED_GRPO.md 7.1-7.2: json/jsonl/parquet
+files and directories (`path@split`) load through HF datasets; a row missing a required column
+fails with the file, row and column named; format prompts (built-in names and Jinja files,
+stripped) and the `guided` system prompt render as in the original; `<image>` markers are
+reconciled with the image count; hub ids fail clearly offline; the overlong filter drops rows
+by their real chat-template token count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import DataConfig
+from asyncrl.data import (
+    build_messages,
+    build_stream,
+    filter_overlong_prompts,
+    iter_items,
+    load_rows,
+    parse_data_spec,
+)
+from asyncrl.prompts import student_system_prompt
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "data"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ROWS = [{"problem": f"q{i}", "answer": str(i), "extra": i} for i in range(6)]
+
+
+def test_parse_spec() -> None:
+    assert parse_data_spec("data/x.jsonl") == ("data/x.jsonl", "train")
+    assert parse_data_spec("hiyouga/math12k@test") == ("hiyouga/math12k", "test")
+
+
+def test_load_jsonl_json_parquet_and_dir(tmp_path: Path) -> None:
+    import datasets
+
+    a = write_jsonl(tmp_path / "a.jsonl", ROWS)
+    (tmp_path / "b.json").write_text(json.dumps(ROWS))
+    datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "c.parquet"))
+    for f in (a, tmp_path / "b.json", tmp_path / "c.parquet"):
+        rows = load_rows(str(f))
+        assert rows == ROWS  # other columns carried along, order kept
+    d = tmp_path / "d"
+    write_jsonl(d / "train-00000.jsonl", ROWS[:4])
+    write_jsonl(d / "train-00001.jsonl", ROWS[4:])
+    write_jsonl(d / "test.jsonl", ROWS[:1])
+    assert load_rows(f"{d}@train") == ROWS
+    assert load_rows(f"{d}@test") == ROWS[:1]
+    with pytest.raises(ValueError, match="no file for split 'validation'"):
+        load_rows(f"{d}@validation")
+
+
+def test_missing_column_in_a_row_names_file_row_and_column(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    write_jsonl(d / "train-0.jsonl", ROWS[:3])
+    bad = write_jsonl(d / "train-1.jsonl", [ROWS[3], {"problem": "no answer here"}, ROWS[4]])
+    with pytest.raises(ValueError, match=rf"data file {bad}, row 1: missing column 'answer'"):
+        load_rows(str(d))
+    rows = load_rows(str(d), require_answer=False)  # e.g. unlabeled prompts
+    assert len(rows) == 6
+
+
+def test_missing_or_wrong_typed_prompt(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "x.jsonl", [{"question": "q", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"no column 'problem' \(columns: \['question', 'answer'\]\); set data.prompt_key"):
+        load_rows(str(f))
+    assert load_rows(str(f), DataConfig(prompt_key="question"))[0]["question"] == "q"
+    g = write_jsonl(tmp_path / "y.jsonl", [{"problem": "q", "answer": "1"}, {"problem": None, "answer": "2"}])
+    with pytest.raises(ValueError, match=rf"{g}, row 1: missing column 'problem'"):
+        load_rows(str(g))
+
+
+def test_missing_path_and_offline_hub_id() -> None:
+    with pytest.raises(ValueError, match="no such file"):
+        load_rows("./nope/train.jsonl")
+    with pytest.raises(ValueError, match="hub"):
+        load_rows("someone/not-a-local-dataset@train")
+
+
+def test_messages_plain_with_builtin_template_and_guided_system() -> None:
+    cfg = DataConfig(format_prompt="math", system_prompt="guided")
+    msgs = build_messages({"problem": "  Compute 2+2.  ", "answer": "4"}, cfg)
+    assert msgs[0] == {"role": "system", "content": student_system_prompt()}
+    user = msgs[1]["content"]
+    assert msgs[1]["role"] == "user" and isinstance(user, str)
+    assert user.startswith("Compute 2+2.\n\nYou MUST follow these response rules:")  # content | trim
+    assert user.endswith(r"MUST appear exactly once inside \boxed{…}.")
+    assert build_messages({"problem": "Q", "answer": "1"}, DataConfig(system_prompt="Be brief.")) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]
+
+
+def test_template_file_is_stripped_and_bad_name_fails() -> None:
+    cfg = DataConfig(format_prompt=str(FIX / "short_math.jinja"))
+    assert build_messages({"problem": " 1+1 ", "answer": "2"}, cfg)[-1]["content"] == "1+1\nAnswer inside \\boxed{}."
+    with pytest.raises(ValueError, match="neither a built-in"):
+        build_messages({"problem": "x", "answer": "1"}, DataConfig(format_prompt="maths"))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "k", "content"),
+    [
+        # no marker: one prepended, then split -> image item before the text
+        ("Q?", 1, [{"type": "image"}, {"type": "text", "text": "\nQ?"}]),
+        # more markers than images: only the first k kept
+        ("A<image>B<image>C", 1, [{"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "BC"}]),
+        # fewer markers than images: missing ones prepended
+        ("A<image>B", 2, [{"type": "image"}, {"type": "text", "text": "\nA"}, {"type": "image"},
+                          {"type": "text", "text": "B"}]),
+    ],
+)
+def test_image_markers(prompt: str, k: int, content: list[dict]) -> None:
+    row = {"problem": prompt, "answer": "1", "images": [f"img{i}.png" for i in range(k)]}
+    assert build_messages(row) == [{"role": "user", "content": content}]
+
+
+def test_fixture_rows_items_carry_images_and_stringify_answers() -> None:
+    rows = load_rows(str(FIX / "tiny.jsonl"))
+    items = list(iter_items(rows))
+    assert items[0].images is None and items[0].messages == [{"role": "user", "content": "What is 1+1?"}]
+    assert items[1].images == ["a.png", "b.png"] and items[1].ground_truth == "3"
+    assert [c["type"] for c in items[1].messages[0]["content"]] == ["text", "image", "text", "image", "text"]
+    assert items[1].row["images"] == ["a.png", "b.png"] and items[1].uid == "val/1"
+
+
+def _tokenizer():
+    """A real (tiny) fast tokenizer with a ChatML chat template: one token per word/symbol."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return fast
+
+
+def test_filter_overlong_prompts_counts_template_tokens() -> None:
+    tok = _tokenizer()
+    # "<|im_start|> user \n w1 .. wn <|im_end|> \n <|im_start|> assistant \n": whitespace pre-tokenizer
+    # drops newlines -> tokens = 1 + 1 + n + 1 + 1 + 1 = n + 5
+    rows = [{"problem": " ".join(["w"] * n), "answer": "1"} for n in (3, 5, 6, 10)]
+    kept, dropped = filter_overlong_prompts(rows, tok, DataConfig(max_prompt_length=10))
+    assert [r["problem"].count("w") for r in kept] == [3, 5] and dropped == [2, 3]
+
+
+def test_build_stream_filters_and_shards(tmp_path: Path) -> None:
+    f = write_jsonl(tmp_path / "t.jsonl", [{"problem": " ".join(["w"] * (i % 8)), "answer": str(i)} for i in range(20)])
+    cfg = DataConfig(train_files=str(f), max_prompt_length=10, seed=5)  # keeps rows with <= 5 words
+    stream = build_stream(cfg, _tokenizer())
+    assert stream.num_rows == sum(1 for i in range(20) if i % 8 <= 5)
+    shard = build_stream(cfg, _tokenizer(), index=1, count=3)
+    assert [x.index for x in shard.take(3)] == [1, 4, 7]
+    assert not build_stream(cfg.model_copy(update={"val_files": str(f)}), split="val").shuffle
