@@ -137,3 +137,18 @@ def test_group_metrics(chat):
     assert m["rollout/finish_max_turns"] == 1.0 and m["rollout/finish_verifier_stop"] == 0.0
     assert m["rollout/hallucination_score"] == 1.0 and m["rollout/verifier_errors"] == 0.0
     assert group_metrics([]) == {}
+
+
+def test_to_protocol_sample_roundtrip(chat):
+    protocol = pytest.importorskip("asyncrl.protocol")
+    from asyncrl.actors.guided import to_sample
+
+    conv = two_turns(chat, "full_turn")
+    conv.uid, conv.prompt_uid = "p/0", "p"
+    s = to_sample(conv, reward=0.9, reward_parts={"accuracy": 1.0}, include_text=True)
+    group = protocol.Group.from_samples([s], actor_id="a0")
+    assert (group.min_version, group.max_version) == (3, 4)
+    back = protocol.decode(protocol.encode(group)).samples[0]
+    assert back.response_ids.tolist() == build_training_sample(conv).response_ids.tolist()
+    assert (back.num_turns, back.finish_reason, back.verifier_version) == (2, "max_turns", "ver-A")
+    assert back.metadata["scope"] == "full_turn" and back.metadata["hallucination_scores"] == [1, None]

@@ -21,6 +21,7 @@ Typical use (rollout actor or eval):
     await run_group(convs, generate, verify)
     for c in convs:
         ts = build_training_sample(c); meta = sample_metadata(c); text = c.final_text
+        # or: sample = to_sample(c, reward=..., reward_parts=...)  (asyncrl.protocol.Sample)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from asyncrl.actors.guided.training import (
     build_training_sample,
     group_metrics,
     sample_metadata,
+    to_sample,
 )
 from asyncrl.actors.guided.verifier_io import (
     NEUTRAL_HALLUCINATION_SCORE,
@@ -91,5 +93,6 @@ __all__ = [
     "run_group",
     "sample_metadata",
     "sample_seed",
+    "to_sample",
     "turn_seed",
 ]
