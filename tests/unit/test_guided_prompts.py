@@ -11,7 +11,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from asyncrl import prompts
 
@@ -47,6 +46,7 @@ def test_runtime_values():
 
 
 def test_declared_as_package_data():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     root = Path(__file__).resolve().parents[2]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["asyncrl"]
     assert "data/*" in data and "data/**/*" in data
