@@ -254,3 +254,29 @@ def test_deadline_interrupts_python_loop_in_a_thread() -> None:
     with deadline(0.05):  # a block that ends in time: no exception leaks afterwards
         pass
     time.sleep(0.2)
+
+
+def test_slow_symbolic_check_times_out_in_a_thread_and_grading_recovers() -> None:
+    # Expanding/simplifying (x+y+z+1)^30 - (x+y+z+2)^30 takes sympy several seconds here.
+    out: list[tuple[bool, float, bool]] = []
+    before = grading_stats()["timeouts"]
+
+    def run() -> None:
+        t0 = time.monotonic()
+        slow = grade_answer("(x+y+z+1)^{30}", "(x+y+z+2)^{30}", timeout_s=0.3)
+        elapsed = time.monotonic() - t0
+        out.append((slow, elapsed, grade_answer("x^2+2x+1", "(x+1)^2", timeout_s=5)))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    assert out and out[0][0] is False and out[0][1] < 2.0 and out[0][2] is True
+    assert grading_stats()["timeouts"] == before + 1
+
+
+def test_grade_final_answer_uses_the_last_box() -> None:
+    from asyncrl.rewards import grade_final_answer
+
+    assert grade_final_answer(r"<answer> \boxed{2} </answer> wait, \boxed{\frac{52}{2}}", "26")
+    assert not grade_final_answer(r"\boxed{26} no, \boxed{25}", "26")
+    assert not grade_final_answer(None, "26") and not grade_final_answer("26", None)

@@ -144,3 +144,12 @@ def test_async_scorer_keeps_the_loop_free() -> None:
     ticks, a, b = asyncio.run(main())
     assert a == [{"overall": 1.0}] and b[0]["accuracy"] == 1.0
     assert ticks >= 10  # ~30 ticks expected during the 0.3 s sleep; a blocked loop gives ~0
+
+
+def test_load_reward_alias_resolves_the_default_config() -> None:
+    from asyncrl.rewards import load_reward
+
+    fn = load_reward(RewardConfig())  # default: guided_math
+    got = fn([dict(ITEMS[0])])[0]
+    # acc 1, fmt 1, hallucination 0.75: 0.8 + 0.1 + 0.1*0.75 = 0.975
+    assert got["overall"] == pytest.approx(0.975)
