@@ -1,0 +1,202 @@
+"""`PolicyEngine`: the one module that talks to vLLM (plus its worker extension in
+`weight_receiver.py`). vLLM upgrades break private APIs; keeping them here keeps the breakage in
+one small, tested place.
+
+Guarantees:
+- `generate` runs on vLLM's `AsyncLLM` (continuous batching: many concurrent `generate` calls
+  share engine steps). A prompt is token ids; each request has its own `SamplingParams` and seed.
+  It returns the sampled token ids, the logprob of every sampled token under the distribution it
+  was actually sampled from (`logprobs_mode="processed_logprobs"`: after temperature and
+  top-k/top-p; with top_p=1, top_k=-1 this is softmax(logits / T), what the learner recomputes), the
+  finish reason and the policy version of every token.
+- Weight updates (`update_weights_from_group`, `load_weights_from_store`, `load_named_tensors`)
+  pause the scheduler (running requests are kept, not aborted), load, bump `version`, reset the
+  prefix cache, and resume. Requests also carry a cache salt `v{version}`, so no prompt ever
+  reuses KV blocks computed by older weights even if a reset is refused. Running requests keep
+  their KV cache across an update (as PipelineRL/SkyRL); their later tokens carry the new version.
+- CPU build here (fp32 unless configured, KV cache `rollout.cpu_kvcache_gb` GiB); CUDA build on
+  GPUs with tensor parallel = `rollout.gpus_per_actor`.
+Departure from Guided-GRPO (EasyR1): the original samples `n` copies of a request with one
+seed, the source of its seed collapse; here every sample is its own request with its own seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from asyncrl.learner.weights import WeightSender, WeightsInput, fetch_weights
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "asyncrl.actors.weight_receiver.WeightReceiverExtension"
+
+
+@dataclass
+class Generation:
+    """Result of one request. Unpacks as `(token_ids, logprobs, finish_reason)`."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int] = field(default_factory=list)
+
+    def __iter__(self):  # the agreed 3-tuple contract
+        return iter((self.token_ids, self.logprobs, self.finish_reason))
+
+
+class PolicyEngine:
+    """An async vLLM engine for the policy. Create inside a running process (Ray actor or a
+    `__main__`-guarded script: vLLM spawns its engine process)."""
+
+    def __init__(self, model_path: str, cfg: Any, *, engine_id: str | None = None,
+                 max_model_len: int | None = None, seed: int = 0, tokenizer_path: str | None = None,
+                 weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
+                 store_name: str = "WeightStore", logprobs_mode: str = "processed_logprobs",
+                 version: int = 0) -> None:
+        import torch
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.on_gpu = torch.cuda.is_available() and cfg.gpus_per_actor > 0
+        self.tensor_parallel = max(1, cfg.gpus_per_actor) if self.on_gpu else 1
+        if not self.on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.cpu_kvcache_gb))))
+        dtype = cfg.dtype if cfg.dtype != "auto" else ("auto" if self.on_gpu else "float32")
+        self.version = version
+        self.weight_timeout_s = weight_timeout_s
+        self.weight_bucket_mb = weight_bucket_mb
+        self.store_name = store_name
+        args = AsyncEngineArgs(
+            model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype, seed=seed,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
+            logprobs_mode=logprobs_mode, disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self._update_lock = asyncio.Lock()
+
+    # ---- generation -------------------------------------------------------------------------
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = -1, seed: int | None = None, *,
+                       stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                       request_id: str | None = None) -> Generation:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            logprobs=0, output_kind=RequestOutputKind.DELTA, ignore_eos=ignore_eos,
+            stop_token_ids=list(stop_token_ids or []), detokenize=False, skip_special_tokens=False,
+        )
+        prompt = {"prompt_token_ids": [int(t) for t in prompt_ids], "cache_salt": f"v{self.version}"}
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish = "abort"
+        async for out in self.llm.generate(prompt, params, request_id or uuid.uuid4().hex):
+            chunk = out.outputs[0]
+            new = list(chunk.token_ids)
+            for pos, tok in enumerate(new):
+                logprobs.append(float(chunk.logprobs[pos][tok].logprob))
+            tokens.extend(new)
+            versions.extend([self.version] * len(new))
+            if chunk.finish_reason is not None:
+                finish = str(chunk.finish_reason)
+        return Generation(tokens, logprobs, finish, versions)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def weight_member_ids(self, prefix: str | None = None) -> list[str]:
+        """Members this engine contributes to a weight group (one per tensor-parallel rank)."""
+        return [f"{prefix or self.engine_id}/tp{r}" for r in range(self.tensor_parallel)]
+
+    async def _paused(self, load) -> dict[str, Any]:
+        """Pause (keep running requests), run `load()`, reset the prefix cache, resume."""
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            await asyncio.sleep(0)  # let consumers drain chunks produced under the old version
+            try:
+                result = await load()
+                if result["status"] == "ok":
+                    self.version = int(result["version"])
+                    await self.reset_prefix_cache()
+            finally:
+                await self.llm.resume_generation()
+            result["seconds"] = time.perf_counter() - t0
+            return result
+
+    async def update_weights_from_group(self, address: str, *, timeout_s: float | None = None,
+                                        member_prefix: str | None = None) -> dict[str, Any]:
+        """Take part in the learner's next weight broadcast (sender at `address`). Status "ok"
+        (version updated), "not_member" (asked to rejoin; call `load_weights_from_store`),
+        "timeout" or "failed" (weights unchanged)."""
+        timeout = timeout_s or self.weight_timeout_s
+
+        async def load() -> dict[str, Any]:
+            results = await self.llm.collective_rpc(
+                "asyncrl_receive_weights", timeout=4 * timeout + 30,
+                args=(address, member_prefix or self.engine_id, timeout))
+            bad = [r for r in results if r["status"] != "ok"]
+            out = dict(bad[0] if bad else results[0])
+            out["workers"] = results
+            return out
+
+        return await self._paused(load)
+
+    async def load_named_tensors(self, weights: WeightsInput, version: int) -> dict[str, Any]:
+        """Load (name, tensor) pairs, buckets of them, or packed `(manifest, flat)` buckets into
+        the engine through a private loopback gloo group (same path as the broadcast)."""
+        cfg = SimpleNamespace(bucket_mb=self.weight_bucket_mb, backend="gloo",
+                              timeout_s=self.weight_timeout_s, host="127.0.0.1")
+        prefix = f"{self.engine_id}-local"
+        sender = WeightSender(cfg, port=0, members=self.weight_member_ids(prefix))
+
+        async def load() -> dict[str, Any]:
+            rpc = asyncio.ensure_future(self.llm.collective_rpc(
+                "asyncrl_receive_weights", timeout=4 * cfg.timeout_s + 30,
+                args=(sender.address, prefix, cfg.timeout_s)))
+            report = await asyncio.to_thread(sender.broadcast, weights, version)
+            results = await rpc
+            bad = [r for r in results if r["status"] != "ok"]
+            out = dict(bad[0] if bad else results[0])
+            out.update(workers=results, bytes=report.bytes)
+            return out
+
+        try:
+            return await self._paused(load)
+        finally:
+            await self.llm.collective_rpc("asyncrl_close_receiver", args=(sender.address, prefix))
+            sender.close()
+
+    async def load_weights_from_store(self, min_version: int | None = None) -> dict[str, Any]:
+        """Catch up from the `WeightStore` copy (late join, restart, dropped member). Loads only
+        a version newer than `min_version` (default: the engine's own)."""
+        floor = self.version if min_version is None else min_version
+        fetched = await asyncio.to_thread(fetch_weights, self.store_name, floor, self.weight_timeout_s)
+        if fetched is None:
+            return {"status": "up_to_date", "version": self.version}
+        version, buckets = fetched
+        return await self.load_named_tensors(buckets, version)
+
+    async def reset_prefix_cache(self) -> bool:
+        ok = await self.llm.reset_prefix_cache()
+        if not ok:
+            log.info("prefix cache reset refused (blocks in use); the version salt keeps old blocks unused")
+        return bool(ok)
+
+    async def param_sums(self) -> dict[str, float]:
+        return (await self.llm.collective_rpc("asyncrl_param_sums"))[0]
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

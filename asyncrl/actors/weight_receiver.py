@@ -1,0 +1,214 @@
+"""Receiving side of the weight broadcast (protocol in `asyncrl.learner.weights`).
+
+`WeightReceiver` is plain torch (usable from any process, e.g. tests and benchmarks): it joins
+the sender's current generation, enters a round, receives the flat per-dtype buckets (one
+collective each) and hands the named tensors to a loader, then acks. It never blocks longer than
+`timeout_s` per wait. A receiver that is not (or no longer) a member asks to rejoin and returns
+`not_member`; the caller then catches up from the `WeightStore` copy.
+
+`WeightReceiverExtension` is the vLLM worker extension (`worker_extension_cls`): it runs inside
+each engine worker (one member per tensor-parallel rank, since every rank loads the full
+checkpoint-format tensors and shards them itself) and loads with vLLM's in-place, layer-wise
+`model_runner.reload_weights(..., is_checkpoint_format=True)`, which also re-runs the CPU build's
+weight repacking and handles fused/packed projections (qkv, gate_up) through the model's own
+`load_weights`. Tied embeddings: the CPU build's repacked `lm_head` keeps the old embedding, so
+after every load we re-tie it and re-run its post-load processing.
+
+By default all buckets are received before the first one is loaded (`buffered=True`), so a
+failed or aborted broadcast leaves the engine's weights untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from asyncrl.learner.weights import PREFIX, NamedTensor, dtype_from_name, make_group, make_store, unpack_bucket
+
+log = logging.getLogger(__name__)
+
+
+class ReceiveTimeout(RuntimeError):
+    pass
+
+
+class WeightReceiver:
+    """One member of the weight group. `address` = "host:port" of the sender's store."""
+
+    def __init__(self, address: str, member_id: str, timeout_s: float = 60.0,
+                 device: torch.device | str | None = None) -> None:
+        host, port = address.rsplit(":", 1)
+        self.member_id = member_id
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.store = make_store(host, int(port), is_master=False, timeout_s=self.timeout_s)
+        self.generation = -1
+        self.dead_generation = 0  # generations at or below this one are aborted/broken for us
+        self.pg: Any = None
+        self.seq = 0
+        self.version = -1
+        self._requested_gen = -1
+
+    # ---- small store helpers ----------------------------------------------------------------
+    def _wait_get(self, key: str, deadline: float) -> bytes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ReceiveTimeout(key)
+        try:
+            self.store.wait([f"{PREFIX}/{key}"], timedelta(seconds=remaining))
+        except Exception as exc:  # noqa: BLE001 - TCPStore raises a generic error on timeout
+            raise ReceiveTimeout(key) from exc
+        return self.store.get(f"{PREFIX}/{key}")
+
+    def announced_version(self) -> int:
+        """The newest version the sender has started to broadcast (-1 before the first)."""
+        key = f"{PREFIX}/announce"
+        return int(self.store.get(key)) if self.store.check([key]) else -1
+
+    def _reset(self) -> None:
+        self.dead_generation = max(self.dead_generation, self.generation)
+        self.pg, self.generation = None, -1
+
+    def _join(self, deadline: float) -> bool:
+        """Be a member of the current generation; False if the plan does not include us."""
+        while True:
+            g = int(self._wait_get("gen", deadline))
+            if g == self.generation and self.pg is not None:
+                return True
+            if g <= self.dead_generation:
+                if time.monotonic() > deadline:
+                    raise ReceiveTimeout("new generation")
+                time.sleep(0.005)
+                continue
+            plan = json.loads(self._wait_get(f"g{g}/plan", deadline))
+            if self.member_id not in plan["members"]:
+                if self._requested_gen != g:
+                    n = self.store.add(f"{PREFIX}/joinreq_n", 1)
+                    self.store.set(f"{PREFIX}/joinreq/{n}", self.member_id)
+                    self._requested_gen = g
+                return False
+            self.store.set(f"{PREFIX}/g{g}/ready/{self.member_id}", "1")
+            if self._wait_get(f"g{g}/built", deadline) != b"go":
+                self.dead_generation = g
+                continue
+            rank = plan["members"].index(self.member_id) + 1
+            device = self.device if plan["backend"] == "nccl" else None
+            self.pg = make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s, device)
+            self.generation, self.seq = g, 0
+            return True
+
+    # ---- receive ----------------------------------------------------------------------------
+    def receive(self, load: Callable[[Iterator[NamedTensor]], Any] | None = None, *,
+                timeout_s: float | None = None, buffered: bool = True) -> dict[str, Any]:
+        """Take part in the next broadcast round. `load` gets an iterator of (name, tensor); with
+        `load=None` the tensors are returned under "tensors" (tests). Returns a plain dict:
+        status ("ok" | "not_member" | "timeout" | "failed"), version, seconds, bytes."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        result: dict[str, Any] = {"status": "ok", "version": self.version, "bytes": 0, "member": self.member_id}
+        try:
+            while True:
+                if not self._join(deadline):
+                    result["status"] = "not_member"
+                    return result
+                seq = self.seq + 1
+                rk = f"g{self.generation}/r{seq}"
+                self.store.set(f"{PREFIX}/{rk}/enter/{self.member_id}", "1")
+                start = json.loads(self._wait_get(f"{rk}/start", deadline))
+                if start["go"]:
+                    break
+                self._reset()  # someone else was dropped: a new generation follows
+        except ReceiveTimeout as exc:
+            log.warning("weight receiver %s: timed out waiting for %s", self.member_id, exc)
+            self._reset()
+            result["status"] = "timeout"
+            return result
+
+        stats = {"bytes": 0, "end": None}
+        buckets = self._buckets(rk, stats)
+        tensors: list[NamedTensor] | None = None
+        try:
+            if buffered or load is None:
+                tensors = [nt for bucket in buckets for nt in bucket]
+                if stats["end"].get("failed"):
+                    raise RuntimeError("sender reported a failed broadcast")
+                if load is not None:
+                    load(iter(tensors))
+            else:
+                load(nt for bucket in buckets for nt in bucket)
+                if stats["end"] is None or stats["end"].get("failed"):
+                    raise RuntimeError("broadcast incomplete")
+        except Exception as exc:  # noqa: BLE001 - a failed round: report, reset, caller falls back
+            log.warning("weight receiver %s: round failed: %s", self.member_id, exc)
+            self._reset()
+            result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0)
+            return result
+        self.seq = seq
+        self.version = int(start["version"])
+        self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "1")
+        result.update(version=self.version, bytes=stats["bytes"], seconds=time.perf_counter() - t0)
+        if load is None:
+            result["tensors"] = tensors
+        return result
+
+    def _buckets(self, rk: str, stats: dict[str, Any]) -> Iterator[list[NamedTensor]]:
+        i = 0
+        while True:
+            header = json.loads(self._wait_get(f"{rk}/h{i}", time.monotonic() + self.timeout_s))
+            if header.get("end"):
+                stats["end"] = header
+                return
+            buf = torch.empty(header["numel"], dtype=dtype_from_name(header["dtype"]), device=self.device)
+            self.pg.broadcast([buf]).wait()
+            self.store.set(f"{PREFIX}/{rk}/progress/{self.member_id}", str(i))
+            stats["bytes"] += buf.numel() * buf.element_size()
+            yield unpack_bucket(header, buf)
+            i += 1
+
+    def close(self) -> None:
+        self.pg = None
+
+
+def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> None:
+    """Load checkpoint-format (HF-named) tensors into a running vLLM model in place."""
+    model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    model = model_runner.get_model()
+    config = getattr(model, "config", None)
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False) and head is not None \
+            and hasattr(inner, "embed_tokens") and hasattr(head, "quant_method"):
+        head.weight = inner.embed_tokens.weight  # re-tie (layer-wise reload may swap the Parameter)
+        head.quant_method.process_weights_after_loading(head)  # CPU build: repack the head
+
+
+class WeightReceiverExtension:
+    """vLLM worker extension: `collective_rpc("asyncrl_receive_weights", args=(address, prefix,
+    timeout_s))`. Members are named `{prefix}/tp{rank}`. Returns the receiver's result dict."""
+
+    def _asyncrl_receiver(self, address: str, prefix: str, timeout_s: float) -> WeightReceiver:
+        receivers = self.__dict__.setdefault("_asyncrl_receivers", {})
+        key = (address, prefix)
+        if key not in receivers:
+            device = getattr(self, "device", None)
+            device = device if isinstance(device, torch.device) and device.type == "cuda" else None
+            receivers[key] = WeightReceiver(address, f"{prefix}/tp{getattr(self, 'rank', 0)}", timeout_s, device)
+        return receivers[key]
+
+    def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float) -> dict[str, Any]:
+        receiver = self._asyncrl_receiver(address, prefix, timeout_s)
+        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it))
+        result.pop("tensors", None)
+        return result
+
+    def asyncrl_close_receiver(self, address: str, prefix: str) -> None:
+        self.__dict__.get("_asyncrl_receivers", {}).pop((address, prefix), None)
+
+    def asyncrl_param_sums(self) -> dict[str, float]:
+        """Sum of every parameter (tests: did the update reach the model at all)."""
+        return {n: float(p.detach().double().sum()) for n, p in self.model_runner.get_model().named_parameters()}

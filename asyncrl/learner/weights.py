@@ -1,0 +1,408 @@
+"""Weight broadcast from learner rank 0 to the rollout engines, with a watchdog and a fallback.
+
+Wire format (shared with `asyncrl.actors.weight_receiver`): the named tensors are packed into
+flat per-dtype buckets of about `bucket_mb`; each bucket travels as ONE collective
+(`broadcast`, root = learner rank 0), never one per parameter. Its manifest
+(`{"dtype", "numel", "params": [[name, shape, offset], ...]}`) and the version travel through the
+rendezvous TCPStore as JSON, so NCCL and gloo groups carry only tensor bytes and no pickle is on
+the path.
+
+Membership protocol (all keys in the sender's TCPStore, which is also the rendezvous):
+- generation g: the sender writes `g{g}/plan` (members -> ranks 1..n, backend), sets `gen = g`;
+  each member sets `g{g}/ready/{id}`; members missing after `timeout_s` are dropped, the
+  generation is aborted (`g{g}/built = abort`) and g+1 is planned without them; otherwise
+  `built = go` and everyone builds the process group `PrefixStore("asyncrl_w/g{g}")`.
+- round r of generation g: each member sets `g{g}/r{r}/enter/{id}` when it is ready to receive;
+  members that have not entered within `timeout_s` are dropped, the round is aborted and the group
+  rebuilt for the rest. Then `start = go`, the buckets flow, every member acks `g{g}/r{r}/ack/{id}`.
+- a member whose collective hangs past `timeout_s` is dropped too (lowest progress key).
+- a dropped member that calls `receive` again asks to rejoin (`joinreq/{n}`); the sender takes it
+  back at the next broadcast (a new generation). Scaling uses the same `rebuild(members)`.
+Guarantee: no sender call blocks longer than a few `timeout_s` whatever the members do; every
+member that acks a round holds exactly the broadcast tensors; the newest weights are also
+published (CPU copy, by version) to the `WeightStore` named Ray actor for late joiners,
+restarts and dropped members.
+
+Departure from Guided-GRPO (EasyR1/verl): there the rollout shares the learner's GPUs and weights
+move in-process; asyncrl's rollout fleet is separate, so weights move over the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+PREFIX = "asyncrl_w"
+NamedTensor = tuple[str, torch.Tensor]
+WeightsInput = Iterable[Union[NamedTensor, list[NamedTensor]]]
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+            torch.int8, torch.uint8, torch.bool)}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _flatten(items: WeightsInput) -> Iterator[NamedTensor]:
+    """Accept (name, tensor) pairs or buckets (lists) of them, as `export_named_tensors` yields."""
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], dict):
+            yield from unpack_bucket(*item)  # an already packed (manifest, flat) bucket
+        else:
+            yield from item
+
+
+def pack_buckets(items: WeightsInput, bucket_bytes: int) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+    """Pack named tensors into flat per-dtype buckets of about `bucket_bytes` (a larger tensor gets
+    its own bucket). Yields `(manifest, flat)`; `flat` is on the tensors' device, contiguous.
+    Tensors are consumed lazily so a ZeRO-3 exporter never holds more than a bucket or two."""
+    pending: dict[torch.dtype, list[NamedTensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
+
+    def emit(dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
+        group = pending.pop(dtype)
+        sizes.pop(dtype)
+        params, offset = [], 0
+        for name, t in group:
+            params.append([name, list(t.shape), offset])
+            offset += t.numel()
+        flat = torch.cat([t.detach().reshape(-1) for _, t in group]) if len(group) > 1 \
+            else group[0][1].detach().reshape(-1).contiguous()
+        return {"dtype": str(dtype).removeprefix("torch."), "numel": offset, "params": params}, flat
+
+    for name, tensor in _flatten(items):
+        dtype = tensor.dtype
+        pending.setdefault(dtype, []).append((name, tensor))
+        sizes[dtype] = sizes.get(dtype, 0) + tensor.numel() * tensor.element_size()
+        if sizes[dtype] >= bucket_bytes:
+            yield emit(dtype)
+    for dtype in list(pending):
+        yield emit(dtype)
+
+
+def unpack_bucket(manifest: dict[str, Any], flat: torch.Tensor) -> list[NamedTensor]:
+    """Views of `flat` named and shaped by `manifest` (no copy)."""
+    out = []
+    for name, shape, offset in manifest["params"]:
+        numel = 1
+        for s in shape:
+            numel *= s
+        out.append((name, flat[offset:offset + numel].view(shape)))
+    return out
+
+
+def make_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    # wait_for_workers=False: the master must not block until a fixed world of clients joins.
+    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def make_group(store: dist.Store, generation: int, rank: int, world: int, backend: str,
+               timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
+    """A process group made only for weights, over `PrefixStore(asyncrl_w/g{generation})`."""
+    prefixed = dist.PrefixStore(f"{PREFIX}/g{generation}/pg", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        if device is not None:
+            torch.cuda.set_device(device)
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout_s))
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+@dataclass
+class BroadcastReport:
+    version: int
+    seconds: float
+    bytes: int
+    buckets: int
+    members: list[str]
+    acked: list[str]
+    dropped: list[str] = field(default_factory=list)
+    rebuilds: int = 0
+    published: bool = False
+    publish_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class WeightSender:
+    """Rank-0 side of the weight group. Not thread-safe; one broadcast at a time.
+
+    `cfg` is a `WeightSyncConfig` (bucket_mb, backend, timeout_s, host). `port=0` picks a free
+    port; `address` is what receivers connect to. `publish=True` also puts a CPU copy of every
+    broadcast into the `WeightStore` actor (needs `ray.init` first)."""
+
+    def __init__(self, cfg: Any, port: int = 0, *, publish: bool = False, store_name: str = "WeightStore",
+                 members: Iterable[str] = ()) -> None:
+        self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
+        self.backend = resolve_backend(cfg.backend)
+        self.timeout_s = float(cfg.timeout_s)
+        self.host = cfg.host
+        self.store = make_store(self.host, port, is_master=True, timeout_s=self.timeout_s)
+        self.port = self.store.port
+        self.publish = publish
+        self.store_name = store_name
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        self.generation = 0
+        self.members: list[str] = list(members)
+        self.pg: dist.ProcessGroup | None = None
+        self.group_members: list[str] = []
+        self.seq = 0
+        self.dropped_total = 0
+        self.dropped_ids: list[str] = []
+        self._joinreq_seen = 0
+        self._dirty = True
+        self.store.set(f"{PREFIX}/gen", "0")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ---- membership -------------------------------------------------------------------------
+    def add_receivers(self, ids: Iterable[str]) -> None:
+        """Schedule members to join; the group is rebuilt at the next broadcast (or `rebuild`)."""
+        for i in ids:
+            if i not in self.members:
+                self.members.append(i)
+        self._dirty = True
+
+    def remove_receivers(self, ids: Iterable[str]) -> None:
+        drop = set(ids)
+        self.members = [m for m in self.members if m not in drop]
+        self._dirty = True
+
+    def _drop(self, ids: Iterable[str], why: str) -> list[str]:
+        ids = [i for i in ids if i in self.members]
+        for i in ids:
+            log.warning("weight sync: dropping member %s (%s); it must catch up from the WeightStore", i, why)
+        self.members = [m for m in self.members if m not in ids]
+        self.dropped_total += len(ids)
+        self.dropped_ids.extend(ids)
+        self._dirty = True
+        return ids
+
+    def _absorb_join_requests(self) -> None:
+        n = self.store.add(f"{PREFIX}/joinreq_n", 0)
+        for k in range(self._joinreq_seen + 1, n + 1):
+            member = self.store.get(f"{PREFIX}/joinreq/{k}").decode()
+            if member not in self.members:
+                log.info("weight sync: member %s asked to (re)join", member)
+                self.members.append(member)
+                self._dirty = True
+        self._joinreq_seen = n
+
+    def _wait_keys(self, keys: dict[str, str], deadline: float) -> list[str]:
+        """Return the ids whose key is still missing at `deadline` (polls the store)."""
+        missing = dict(keys)
+        while missing:
+            for member, key in list(missing.items()):
+                if self.store.check([key]):
+                    del missing[member]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        return list(missing)
+
+    def rebuild(self, members: Iterable[str] | None = None) -> list[str]:
+        """(Re)build the group for `members` (default: the current list); members that do not
+        join within `timeout_s` are dropped. Returns the members of the new group."""
+        if members is not None:
+            self.members = list(dict.fromkeys(members))
+        while True:
+            self._destroy_group()
+            self.generation += 1
+            g, members_now = self.generation, list(self.members)
+            plan = {"members": members_now, "backend": self.backend, "world": len(members_now) + 1}
+            self.store.set(f"{PREFIX}/g{g}/plan", json.dumps(plan))
+            self.store.set(f"{PREFIX}/gen", str(g))
+            self.seq = 0
+            if not members_now:
+                self.group_members, self._dirty = [], False
+                return []
+            missing = self._wait_keys({m: f"{PREFIX}/g{g}/ready/{m}" for m in members_now},
+                                      time.monotonic() + self.timeout_s)
+            if missing:
+                self._drop(missing, "did not join the weight group")
+                self.store.set(f"{PREFIX}/g{g}/built", "abort")
+                continue
+            self.store.set(f"{PREFIX}/g{g}/built", "go")
+            self.pg = make_group(self.store, g, 0, len(members_now) + 1, self.backend, self.timeout_s, self.device)
+            self.group_members, self._dirty = members_now, False
+            return members_now
+
+    def _destroy_group(self) -> None:
+        if self.pg is not None:
+            try:
+                self.pg.abort() if hasattr(self.pg, "abort") else None
+            except Exception:  # noqa: BLE001 - best effort on a group we are discarding
+                log.debug("weight sync: abort of old group failed", exc_info=True)
+        self.pg = None
+
+    # ---- broadcast --------------------------------------------------------------------------
+    def broadcast(self, weights: WeightsInput, version: int) -> BroadcastReport:
+        """Broadcast `weights` ((name, tensor) pairs, or buckets of them) as `version` to every
+        member; returns a report (who acked, who was dropped, seconds). Never raises for a
+        member's failure; the iterator is always consumed to the end (ZeRO-3 gathers are
+        collective across learner ranks)."""
+        t0 = time.perf_counter()
+        dropped_before = self.dropped_total
+        self.store.set(f"{PREFIX}/announce", str(version))
+        self._absorb_join_requests()
+        rebuilds = 0
+        start_round = False
+        while not start_round:
+            if self._dirty:
+                self.rebuild()
+                rebuilds += 1
+            if not self.group_members:
+                break
+            self.seq += 1
+            rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
+            missing = self._wait_keys({m: f"{rk}/enter/{m}" for m in self.group_members},
+                                      time.monotonic() + self.timeout_s)
+            if missing:
+                self._drop(missing, "did not enter the weight round")
+                # waiting members see the abort and wait for a generation newer than this one
+                self.store.set(f"{rk}/start", json.dumps({"go": False}))
+                continue
+            self.store.set(f"{rk}/start", json.dumps({"go": True, "version": version}))
+            start_round = True
+
+        members = list(self.group_members)
+        store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None = [] if self.publish else None
+        nbytes = nbuckets = 0
+        failed_at: int | None = None
+        work = pending_flat = None
+        rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
+        for i, (manifest, flat) in enumerate(pack_buckets(weights, self.bucket_bytes)):
+            nbytes += flat.numel() * flat.element_size()
+            nbuckets += 1
+            if self.device is not None and flat.device != self.device:
+                flat = flat.to(self.device)
+            if store_copy is not None:
+                store_copy.append((manifest, flat.to("cpu", copy=True)))
+            if not members or failed_at is not None:
+                continue
+            try:
+                if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
+                    work.wait()
+                self.store.set(f"{rk}/h{i}", json.dumps(manifest))
+                work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
+                pending_flat = flat  # keep the buffer alive until the work completes
+            except Exception as exc:  # noqa: BLE001 - the watchdog path
+                failed_at, work = i, None
+                log.warning("weight sync: broadcast of bucket %d failed: %s", i, exc)
+        if members and failed_at is None:
+            try:
+                if work is not None:
+                    work.wait()
+                pending_flat = None
+            except Exception as exc:  # noqa: BLE001
+                failed_at = nbuckets - 1
+                log.warning("weight sync: last bucket failed: %s", exc)
+        acked: list[str] = []
+        if members:
+            end = {"end": True, "version": version, "buckets": nbuckets, "failed": failed_at is not None}
+            self.store.set(f"{rk}/h{nbuckets if failed_at is None else failed_at}", json.dumps(end))
+            if failed_at is None:
+                missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members}, time.monotonic() + self.timeout_s)
+            else:
+                missing = self._laggards(members, rk)
+            acked = [m for m in members if m not in missing]
+            if missing:
+                self._drop(missing, "hung in the weight broadcast" if failed_at is not None else "did not ack")
+            if failed_at is not None:
+                self._dirty = True  # the group is broken for everyone; rebuild next time
+        report = BroadcastReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, members=members,
+                                 acked=acked, dropped=list(self.dropped_ids[dropped_before:]), rebuilds=rebuilds)
+        report.seconds = time.perf_counter() - t0
+        if store_copy is not None:
+            tp = time.perf_counter()
+            publish_weights(store_copy, version, self.store_name)
+            report.published, report.publish_seconds = True, time.perf_counter() - tp
+        return report
+
+    def _laggards(self, members: list[str], rk: str) -> list[str]:
+        progress = {}
+        for m in members:
+            key = f"{rk}/progress/{m}"
+            progress[m] = int(self.store.get(key)) if self.store.check([key]) else -1
+        low = min(progress.values())
+        return [m for m, p in progress.items() if p == low] if low < max(progress.values()) or low < 0 else list(members)
+
+    def close(self) -> None:
+        self._destroy_group()
+
+
+# ---- object-store path -----------------------------------------------------------------------
+class WeightStore:
+    """Named Ray actor holding the newest published weights (an ObjectRef to a CPU copy, by
+    version). Ray's serialization is fine here: it never leaves the cluster."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.ref: Any = None
+
+    def put(self, version: int, refs: list[Any]) -> int:
+        if version >= self.version:
+            self.version, self.ref = version, refs[0]
+        return self.version
+
+    def latest(self) -> tuple[int, list[Any]]:
+        return self.version, [self.ref] if self.ref is not None else []
+
+
+def get_weight_store(name: str = "WeightStore") -> Any:
+    """The named store actor (created on first use; detached, so it outlives a restarted
+    learner and is only removed with the cluster or `ray.kill`)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(WeightStore).options(
+        name=name, get_if_exists=True, lifetime="detached").remote()
+
+
+def publish_weights(buckets: list[tuple[dict[str, Any], torch.Tensor]], version: int,
+                    name: str = "WeightStore") -> None:
+    """Put a CPU copy of packed buckets into the object store and register it under `version`."""
+    import ray
+
+    payload = [(m, t.contiguous().view(torch.uint8).numpy()) for m, t in buckets]
+    ref = ray.put(payload)
+    ray.get(get_weight_store(name).put.remote(version, [ref]))
+
+
+def fetch_weights(name: str = "WeightStore", min_version: int = -1, timeout_s: float = 60.0
+                  ) -> tuple[int, list[tuple[dict[str, Any], torch.Tensor]]] | None:
+    """The newest published buckets `(version, [(manifest, flat)])`, or None if nothing newer
+    than `min_version` has been published."""
+    import ray
+
+    version, refs = ray.get(get_weight_store(name).latest.remote(), timeout=timeout_s)
+    if version < 0 or version <= min_version:
+        return None
+    payload = ray.get(refs[0], timeout=timeout_s)
+    with warnings.catch_warnings():  # zero-copy views of read-only object-store memory; only read
+        warnings.simplefilter("ignore", UserWarning)
+        return version, [(m, torch.from_numpy(a).view(dtype_from_name(m["dtype"]))) for m, a in payload]

@@ -1,0 +1,191 @@
+"""PolicyEngine on a REAL vLLM CPU engine (tiny untied Qwen2, fp32), one engine for the module.
+
+Proves: behaviour logprobs from vLLM equal transformers' recompute for the same weights and
+tokens; distinct seeds give distinct samples (and one seed reproduces); a bucketed broadcast of
+perturbed weights (every parameter, incl. the fused qkv / gate_up sources and the untied head)
+through the weight group makes vLLM's logprobs equal the perturbed model's and bumps the
+engine's version; a late joiner catches up from the WeightStore (Ray object store) copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_qwen(path: Path, *, tie: bool = False, seed: int = 0) -> Path:
+    """A 2-layer Qwen2 (hidden 64) with a small ChatML WordLevel tokenizer, saved for HF + vLLM."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    words = ["user", "assistant", "system", "\n", "+", "=", "?", "the", "answer", "is"] + [str(i) for i in range(40)]
+    vocab = {w: i for i, w in enumerate(special + ["<unk>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", additional_special_tokens=special[1:])
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=tie, eos_token_id=vocab["<|im_end|>"], pad_token_id=0,
+                      bos_token_id=None, torch_dtype="float32")
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # make the distribution peaky enough to be interesting, not degenerate
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    model.save_pretrained(path, safe_serialization=True)
+    json.dump({"eos_token_id": vocab["<|im_end|>"]}, open(path / "generation_config.json", "w"))
+    return path
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def perturbed(model, scale: float, seed: int):
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return new
+
+
+class LoopThread:
+    """One event loop for the module (vLLM's AsyncLLM binds to the loop that first uses it)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.config import RolloutConfig
+
+    torch.set_num_threads(1)
+    path = build_tiny_qwen(tmp_path_factory.mktemp("tiny") / "policy")
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=16, max_num_batched_tokens=1024)
+    lt = LoopThread()
+
+    async def make():
+        return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30)
+
+    engine = lt.run(make())
+    yield SimpleNamespace(engine=engine, hf=hf, lt=lt, path=path)
+    engine.shutdown()
+    lt.loop.call_soon_threadsafe(lt.loop.stop)
+
+
+PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]  # <|im_start|> user \n 3 + 5 <|im_end|> \n <|im_start|> assistant \n
+
+
+def sample_many(s, n: int, seed0: int, temperature: float = 1.0, max_tokens: int = 24):
+    async def go():
+        return await asyncio.gather(*[s.engine.generate(PROMPT, max_tokens, temperature, seed=seed0 + i)
+                                      for i in range(n)])
+    return s.lt.run(go())
+
+
+def max_logprob_diff(s, model, gens, temperature: float = 1.0) -> float:
+    worst = 0.0
+    for g in gens:
+        ref = hf_logprobs(model, PROMPT, g.token_ids, temperature)
+        worst = max(worst, float((ref - torch.tensor(g.logprobs)).abs().max()))
+    return worst
+
+
+def test_behaviour_logprobs_match_transformers_and_seeds_differ(setup):
+    s = setup
+    gens = sample_many(s, 8, seed0=100)
+    assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) > 0 for g in gens)
+    assert all(g.finish_reason in ("stop", "length") for g in gens)
+    diff = max_logprob_diff(s, s.hf, gens)
+    print(f"\nmax |logprob_vllm - logprob_hf| original weights: {diff:.2e}")
+    assert diff < 1e-4
+    distinct = {tuple(g.token_ids) for g in gens}
+    assert len(distinct) >= 6, distinct  # 8 seeds -> (almost) all different samples
+    again = sample_many(s, 1, seed0=100)[0]
+    assert again.token_ids == gens[0].token_ids  # a seed reproduces its sample
+    ids, lps, reason = gens[0]  # the agreed 3-tuple contract
+    assert ids == gens[0].token_ids and reason == gens[0].finish_reason
+    # temperature != 1: logprobs of the sampled distribution = log_softmax(logits / T)
+    hot = sample_many(s, 4, seed0=7, temperature=0.7)
+    diff_t = max_logprob_diff(s, s.hf, hot, temperature=0.7)
+    print(f"max diff at T=0.7: {diff_t:.2e}")
+    assert diff_t < 1e-4
+
+
+def test_broadcast_perturbed_weights_into_engine(setup):
+    from asyncrl.learner.weights import WeightSender
+
+    s = setup
+    new = perturbed(s.hf, 0.05, seed=1)
+    cfg = SimpleNamespace(bucket_mb=0.05, backend="gloo", timeout_s=30.0, host="127.0.0.1")
+    sender = WeightSender(cfg, members=s.engine.weight_member_ids())
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=sender.broadcast(new.named_parameters(), 1)))
+    t.start()
+    res = s.lt.run(s.engine.update_weights_from_group(sender.address, timeout_s=30))
+    t.join(60)
+    report = box["r"]
+    print(f"\nbroadcast report: {report.as_dict()}  engine: {res['status']} {res['seconds']:.3f}s")
+    assert res["status"] == "ok" and s.engine.version == 1
+    assert report.acked == s.engine.weight_member_ids() and report.buckets > 1
+    gens = sample_many(s, 6, seed0=300)
+    assert all(g.versions == [1] * len(g.token_ids) for g in gens)
+    diff = max_logprob_diff(s, new, gens)
+    old = max_logprob_diff(s, s.hf, gens)
+    print(f"max diff vs perturbed: {diff:.2e} (vs original weights: {old:.2e})")
+    assert diff < 1e-4 < old
+    sender.close()
+
+
+def test_late_joiner_catches_up_from_weight_store(setup):
+    import ray
+
+    from asyncrl.learner.weights import pack_buckets, publish_weights
+
+    s = setup
+    ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine-weights", log_to_driver=False)
+    try:
+        newer = perturbed(s.hf, 0.05, seed=2)
+        publish_weights(list(pack_buckets(newer.named_parameters(), 2**16)), 5)
+        res = s.lt.run(s.engine.load_weights_from_store())
+        assert res["status"] == "ok" and s.engine.version == 5
+        assert s.lt.run(s.engine.load_weights_from_store())["status"] == "up_to_date"
+        gens = sample_many(s, 4, seed0=500)
+        diff = max_logprob_diff(s, newer, gens)
+        print(f"\nlate joiner: max diff vs store weights: {diff:.2e}")
+        assert diff < 1e-4 and all(set(g.versions) == {5} for g in gens)
+    finally:
+        ray.shutdown()
