@@ -78,6 +78,9 @@ REPLY_TABLE = [
     (S, "stop", "", None),                                      # the stop token
     ("  ###STOP###  \n", "stop", "", None),                     # surrounded by whitespace
     ("###STOP####", "stop", "", None),                          # extra hash (original: prefix -> STOP)
+    ("**###STOP###**", "stop", "", None),                       # markdown-wrapped lone token
+    ("`###STOP###`.", "stop", "", None),
+    ("###STOP### Well done.", "stop", "", None),                 # starts with it (the original's rule)
     (f"{S}\n{SCORE1}", "stop", "", 1),                          # STOP keeps its score (original drops it)
     (f"{SCORE0}\n{S}", "stop", "", 0),                          # leading score line no longer hides STOP
     (f"Correct.\n{S}", "stop", "", None),                       # STOP alone on its own line
@@ -156,3 +159,31 @@ def test_aggregate_hallucination():
     assert aggregate_hallucination([None, None]) == 0.5
     assert aggregate_hallucination([0, None, 1, 1]) == pytest.approx(2 / 3)  # (0+1+1)/3
     assert aggregate_hallucination([0]) == 0.0
+
+
+def _original_is_stop(text: str | None, stop: str = S) -> bool:
+    """Guided-GRPO's classification (1.10), for comparison: normalise, then the abnormal rule."""
+    import re
+
+    t = str(text or "").strip()
+    if not t or t.startswith(stop):
+        return True
+    if t.lower().startswith("user:"):
+        t = t.split(":", 1)[1].lstrip()
+    return not t.strip() or re.search(r"[A-Za-z0-9]", t) is None
+
+
+FRAGMENTS = [S, "#", "\n", " ", "User:", "user: ", "Correct.", "Fix step 2?", SCORE0, SCORE1, "...", "x", "STOP"]
+
+
+def test_every_original_stop_is_a_stop():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=400, deadline=None, derandomize=True)
+    @hypothesis.given(st.lists(st.sampled_from(FRAGMENTS), max_size=8).map("".join))
+    def check(reply: str) -> None:
+        if _original_is_stop(reply):
+            assert parse_verifier_reply(reply, S).kind == "stop", reply
+
+    check()

@@ -14,12 +14,14 @@ trained on, and departs where the original is fragile:
   breaks termination, a STOP reply's score is thrown away, and the `[SCORE]` line is shown to the
   policy. asyncrl parses structurally: `<think>` blocks are removed; the `[SCORE]
   hallucination_detect=0|1` value is read (also from STOP replies) and its text is removed from
-  the guidance unless `show_score_to_policy`; a leading `user:` is stripped; the reply is STOP when
-  the stop token stands alone on any line (extra trailing `#`s tolerated, so the original's
-  `###STOP####` case still stops), or when nothing readable is left (empty, or no ASCII letter or
-  digit: the original's "abnormal" rule). A stop token inside a sentence (`Correct. ###STOP###`)
-  is guidance, not STOP: a verifier that writes "do not send ###STOP### yet" must not end a
-  conversation; the text is passed on verbatim.
+  the guidance unless `show_score_to_policy`; a leading `user:` is stripped. The reply is STOP when
+  what is left starts with the stop token (the original's rule, so `###STOP####` and
+  `###STOP###\n...` still stop), or the stop token stands alone on any line (give or take extra
+  `#`s, quotes, `*`/backtick markdown, a final period), or nothing readable is left (empty, or no
+  ASCII letter or digit: the original's "abnormal" rule). Every reply without think tags that the
+  original reads as STOP is STOP here too (a property test checks it). A stop token inside a sentence (`Correct. ###STOP###`) stays guidance, as in
+  the original: a verifier writing "do not send ###STOP### yet" must not end a conversation; the
+  text is passed on verbatim.
 - `aggregate_hallucination` is section 1.11: mean of the scored turns, 0.5 when none.
 """
 
@@ -127,21 +129,24 @@ def _strip_think(text: str) -> str:
     return text
 
 
+_DECOR = " \t*_`'\".!"  # markdown/quotes/punctuation a model may wrap a lone stop token in
+
+
 def _is_stop_line(line: str, stop_token: str) -> bool:
-    s = line.strip()
+    """The line is the stop token alone, give or take extra trailing `#`s and decoration."""
+    s = line.strip(_DECOR)
     if not stop_token or not s.startswith(stop_token):
         return False
-    rest = s[len(stop_token) :]
-    return rest.strip("#").strip() == ""
+    return s[len(stop_token) :].strip("#" + _DECOR) == ""
 
 
 def parse_verifier_reply(text: str | None, stop_token: str = "###STOP###", *,
                          show_score_to_policy: bool = False) -> VerifierReply:
     """Classify one verifier reply structurally (see the module docstring for the rules).
 
-    Guarantees: `kind == "stop"` iff the stop token stands alone on a line (trailing `#`s allowed)
-    or no ASCII letter/digit remains once think blocks, the score and a leading `user:` are
-    removed; `hallucination` is the first score anywhere in the reply outside think blocks;
+    Guarantees: once think blocks, the score and a leading `user:` are removed, `kind == "stop"`
+    iff the text starts with the stop token, or the token stands alone on a line, or no ASCII
+    letter/digit remains; `hallucination` is the first score anywhere in the reply outside think blocks;
     guidance never contains a `<think>` block and, unless `show_score_to_policy`, no score text."""
     stop_token = (stop_token or "").strip()
     body = _strip_think(str(text or "")).strip()
@@ -163,7 +168,7 @@ def parse_verifier_reply(text: str | None, stop_token: str = "###STOP###", *,
         return s.split(":", 1)[1].lstrip() if s.lower().startswith("user:") else s
 
     clean = unprefix(without_score)
-    if any(_is_stop_line(ln, stop_token) for ln in clean.splitlines()):
+    if clean.startswith(stop_token) or any(_is_stop_line(ln, stop_token) for ln in clean.splitlines()):
         return VerifierReply("stop", "", score, "stop_token")
     if not clean:
         return VerifierReply("stop", "", score, "empty")
