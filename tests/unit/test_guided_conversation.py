@@ -447,3 +447,19 @@ def test_template_variants(tokenizer):
                policy, ScriptedVerifier(["Go on.", STOP]))
     assert conv.finish_reason == "verifier_stop"
     assert policy.prompts[1] == inst_chat.encode_text(f"[INST] {PROBLEM['content']} [/INST]x[INST] Go on. [/INST]")
+
+
+def test_worked_example_1_15_in_parity_mode(chat):
+    """GUIDED_GRPO.md 1.15 with the original's settings (guided_grpo history, score shown)."""
+    v1 = "Step 2 is wrong because 3*4=12. What is 3 * 4?\n[SCORE] hallucination_detect=0"
+    a1, a2 = "<think>2 + 3 = 5</think> then 5 * 4", "<answer>\\boxed{14}</answer>"
+    policy, verifier = ScriptedPolicy(chat, [a1, a2]), ScriptedVerifier([v1, STOP])
+    conv = run(new_conv(chat, max_turns=3, history="guided_grpo", show_score_to_policy=True), policy, verifier)
+    assert (conv.finish_reason, conv.num_turns, conv.hallucination_score) == ("verifier_stop", 2, 0.0)
+    assert verifier.requests[0][1]["content"].endswith(f"### Conversation History\nAssistant: {a1}\n\n"
+                                                       "Provide the next piece of guidance following the rules above.")
+    assert f"Assistant: {a1}\nAssistant: {a2}\n\n" in verifier.requests[1][1]["content"]
+    s = build_training_sample(conv)
+    turn2_ctx = [SYSTEM, PROBLEM, {"role": "assistant", "content": a1}, {"role": "user", "content": v1}]
+    assert s.prompt_ids.tolist() == chat.encode_prompt(turn2_ctx)  # [S][P][A1][V1] + generation prompt
+    assert s.response_ids.tolist() == chat.encode_text(a2) + [chat.tokenizer.convert_tokens_to_ids("<|im_end|>")]
