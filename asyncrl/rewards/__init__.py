@@ -37,12 +37,11 @@ from asyncrl.rewards.grading import (
     grading_stats,
     normalize_answer,
 )
-from asyncrl.rewards.plugins import RewardFunctionError, load_reward_function, validate_scores
+from asyncrl.rewards.plugins import RewardFunctionError, load_reward_function, reward_inputs, validate_scores
 from asyncrl.rewards.scorer import (
     RewardScorer,
     build_reward_fn,
     load_reward,
-    reward_inputs,
     score,
     score_samples,
 )

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["RewardFunctionError", "BatchReward", "load_reward_function", "validate_scores"]
+__all__ = ["RewardFunctionError", "BatchReward", "load_reward_function", "reward_inputs", "validate_scores"]
 
 BatchReward = Callable[[list[dict[str, Any]]], list[dict[str, float]]]
 
@@ -61,6 +61,25 @@ def _import_file(path: Path, where: str) -> Any:
     return module
 
 
+REQUIRED_KEYS = ("response", "response_length", "ground_truth")
+
+
+def reward_inputs(items: Any) -> list[dict[str, Any]]:
+    """Check and copy items into Guided-GRPO RewardInput dicts. `verifier_hallucination_score` is
+    kept only when not None (the original passes it only when the rollout produced it); other
+    keys pass through. Raises ValueError naming the item and key."""
+    out = []
+    for i, item in enumerate(items):
+        for key in REQUIRED_KEYS:
+            if key not in item:
+                raise ValueError(f"reward input {i} has no {key!r} (keys: {sorted(item)})")
+        x = dict(item)
+        if x.get("verifier_hallucination_score", 0) is None:
+            del x["verifier_hallucination_score"]
+        out.append(x)
+    return out
+
+
 def validate_scores(scores: Any, n: int, where: str) -> list[dict[str, float]]:
     """Check a batch result: a list of `n` mappings, each with a finite numeric `overall`; every
     other value numeric (they are logged as `reward/<key>`). Returns plain float dicts."""
@@ -91,8 +110,8 @@ def validate_scores(scores: Any, n: int, where: str) -> list[dict[str, float]]:
 
 def load_reward_function(spec: str, type: Literal["batch", "sequential"] = "batch",
                          kwargs: Mapping[str, Any] | None = None) -> BatchReward:
-    """Load `path/to/file.py[:fn]` and return `f(reward_inputs) -> list[dict]` (batch convention,
-    kwargs bound, output validated). Raises `RewardFunctionError` naming the file and function."""
+    """Load `path/to/file.py[:fn]` and return `f(items) -> list[dict]` (batch convention, inputs
+    checked by `reward_inputs`, kwargs bound, output validated). Raises `RewardFunctionError` naming the file and function."""
     if type not in ("batch", "sequential"):
         raise ValueError(f"reward type must be 'batch' or 'sequential', got {type!r}")
     path, fn_name = parse_spec(spec)
@@ -105,17 +124,20 @@ def load_reward_function(spec: str, type: Literal["batch", "sequential"] = "batc
                                   f"(callables: {', '.join(public) or 'none'})")
     bound = dict(kwargs or {})
 
-    def call(reward_inputs: list[dict[str, Any]]) -> list[dict[str, float]]:
+    def call(items: list[dict[str, Any]]) -> list[dict[str, float]]:
+        inputs = reward_inputs(items)
+        if not inputs:
+            return []
         try:
             if type == "batch":
-                result = fn(reward_inputs, **bound)
+                result = fn(inputs, **bound)
             else:
-                result = [fn(x, **bound) for x in reward_inputs]
+                result = [fn(x, **bound) for x in inputs]
         except RewardFunctionError:
             raise
         except Exception as exc:
             raise RewardFunctionError(f"reward function {where} raised {type_name(exc)}: {exc}") from exc
-        return validate_scores(result, len(reward_inputs), where)
+        return validate_scores(result, len(inputs), where)
 
     call.__name__ = fn_name
     call.__qualname__ = where

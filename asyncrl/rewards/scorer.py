@@ -1,8 +1,9 @@
 """Turn a reward setting into one batch function, and run it off the asyncio loop.
 
 `build_reward_fn(cfg)` resolves `reward.function` (a built-in name or a plug-in file), binds
-`reward.kwargs`, passes `reward.timeout_s` to the built-ins' graders, and wraps the result so every
-output is validated (`overall` present and numeric). `score_samples` is the synchronous call;
+`reward.kwargs`, passes `reward.timeout_s` to the built-ins' graders, and wraps the result so
+every input is checked (`reward_inputs`: required keys, a None hallucination score dropped as the
+original never passes one) and every output validated (`overall` present and numeric). `score_samples` is the synchronous call;
 `RewardScorer.score` / `score(...)` run it in a thread pool so a rollout actor's event loop keeps
 driving the engine while answers are graded (grading is pure Python: it holds the GIL, so one
 worker thread per actor is the default; more threads do not add throughput).
@@ -20,11 +21,9 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from asyncrl.rewards.builtin import BUILTIN_REWARDS
-from asyncrl.rewards.plugins import BatchReward, load_reward_function, validate_scores
+from asyncrl.rewards.plugins import BatchReward, load_reward_function, reward_inputs, validate_scores
 
-__all__ = ["RewardScorer", "build_reward_fn", "load_reward", "score", "score_samples", "reward_inputs"]
-
-REQUIRED_KEYS = ("response", "response_length", "ground_truth")
+__all__ = ["RewardScorer", "build_reward_fn", "load_reward", "score", "score_samples"]
 
 
 def build_reward_fn(cfg: Any) -> BatchReward:
@@ -32,8 +31,16 @@ def build_reward_fn(cfg: Any) -> BatchReward:
     built-in name, a plug-in spec string, or already a batch callable (returned validated)."""
     if callable(cfg) and not isinstance(cfg, str):
         fn = cfg
-        where = getattr(fn, "where", getattr(fn, "__qualname__", repr(fn)))
-        return lambda items: validate_scores(fn(items), len(items), where)
+        if getattr(fn, "where", None):
+            return fn  # already built here
+        where = getattr(fn, "__qualname__", repr(fn))
+
+        def call_plain(items: list[dict[str, Any]]) -> list[dict[str, float]]:
+            inputs = reward_inputs(items)
+            return validate_scores(fn(inputs), len(inputs), where) if inputs else []
+
+        call_plain.where = where  # type: ignore[attr-defined]
+        return call_plain
     if isinstance(cfg, str):
         function, rtype, kwargs, timeout_s = cfg, "batch", {}, None
     else:
@@ -53,7 +60,8 @@ def build_reward_fn(cfg: Any) -> BatchReward:
     where = f"built-in:{function}"
 
     def call(items: list[dict[str, Any]]) -> list[dict[str, float]]:
-        return validate_scores(builtin(items, **kwargs), len(items), where)
+        inputs = reward_inputs(items)
+        return validate_scores(builtin(inputs, **kwargs), len(inputs), where) if inputs else []
 
     call.where = where  # type: ignore[attr-defined]
     return call
@@ -63,27 +71,9 @@ load_reward = build_reward_fn
 """Alias: `load_reward(cfg.reward) -> fn(reward_inputs) -> list[dict]`."""
 
 
-def reward_inputs(items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Check and copy items into Guided-GRPO RewardInput dicts. `verifier_hallucination_score` is
-    kept only when not None (the original passes it only when the rollout produced it); other
-    keys pass through. Raises ValueError naming the item and key."""
-    out = []
-    for i, item in enumerate(items):
-        for key in REQUIRED_KEYS:
-            if key not in item:
-                raise ValueError(f"reward input {i} has no {key!r} (keys: {sorted(item)})")
-        x = dict(item)
-        if x.get("verifier_hallucination_score", 0) is None:
-            del x["verifier_hallucination_score"]
-        out.append(x)
-    return out
-
-
 def score_samples(fn_or_cfg: Any, items: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
     """Score a batch synchronously: one dict (`overall` + parts) per item, in order."""
-    fn = fn_or_cfg if getattr(fn_or_cfg, "where", None) else build_reward_fn(fn_or_cfg)
-    inputs = reward_inputs(items)
-    return fn(inputs) if inputs else []
+    return build_reward_fn(fn_or_cfg)(list(items))
 
 
 class RewardScorer:
@@ -111,6 +101,6 @@ async def score(fn_or_cfg: Any, items: Sequence[Mapping[str, Any]],
                 executor: Executor | None = None) -> list[dict[str, float]]:
     """One-shot async scoring in `executor` (default: the loop's default thread pool). For a
     long-lived caller prefer one `RewardScorer`, which resolves the function once."""
-    fn = build_reward_fn(fn_or_cfg) if not getattr(fn_or_cfg, "where", None) else fn_or_cfg
+    fn = build_reward_fn(fn_or_cfg)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, score_samples, fn, list(items))

@@ -153,3 +153,11 @@ def test_load_reward_alias_resolves_the_default_config() -> None:
     got = fn([dict(ITEMS[0])])[0]
     # acc 1, fmt 1, hallucination 0.75: 0.8 + 0.1 + 0.1*0.75 = 0.975
     assert got["overall"] == pytest.approx(0.975)
+
+
+def test_none_hallucination_score_reaches_plugins_as_absent_key() -> None:
+    # The original passes the key only when the rollout produced a score; a rollout that stores
+    # None must not hand a plug-in a None it would do arithmetic on.
+    fn = build_reward_fn(RewardConfig(function=f"{SEQ}:compute_score", type="sequential"))
+    got = fn([{"response": "4", "response_length": 1, "ground_truth": "4", "verifier_hallucination_score": None}])
+    assert got[0]["hallucination"] == 0.5  # the plug-in's own default for a missing key
