@@ -9,7 +9,7 @@ Token fidelity contract (asyncrl's, not in Guided-GRPO):
 - Hence `initial + turn_1 + user_1 + turn_2 + ...` equals `encode(apply_chat_template(messages,
   add_generation_prompt=True))` of the same conversation whenever the sampled ids are the
   tokenizer's canonical encoding of their text and the template renders an assistant message as
-  `content + eos` (ChatML/Qwen2/2.5 do; tests/unit/test_guided_tokens.py checks it). Where that
+  `content + eos` (ChatML/Qwen2/2.5 do; tests/unit/test_guided_conversation.py checks it). Where that
   does not hold (a non-canonical sampled tokenisation, or a template that rewrites earlier
   assistant turns, like Qwen3 dropping old `<think>` blocks) the rollout still feeds the engine
   exactly these ids and the learner trains on exactly these ids, so behaviour and training
