@@ -24,6 +24,8 @@ answer; at most `max_turns` policy turns. Departures, each for a reason:
   the user turn that answered it), which keeps the context a valid rendering of [system, problem,
   later turns...]; history=guided_grpo drops the oldest assistant messages as the original does.
   If the context still does not fit, the conversation ends with `finish_reason=length`.
+  Dropping history changes what later turns saw, so under `train_scope=full_turn` such a sample
+  falls back to final_turn (training.py; recorded as `scope_fallback`).
 - history=full keeps the conversation append-only and token-exact (chat.py); history=guided_grpo
   reproduces the original's text rewriting (1.6: every turn the policy sees system + problem + all
   its own turns + only the latest user message), re-rendered and re-tokenised every turn.
