@@ -9,7 +9,10 @@ Follows the original:
 - `math` = examples/reward_function/math.py (4.3): 0.9·accuracy + 0.1·format on the final turn.
 - `guided_math` = the paper's reward (4.5): (1 − w_fmt − w_hal)·accuracy + w_fmt·format +
   w_hal·hallucination, defaults 0.8/0.1/0.1; hallucination = the conversation's
-  `verifier_hallucination_score`, or 0.5 (the original's neutral value) when absent.
+  `verifier_hallucination_score`, or 0.5 (the original's neutral value) when absent, as 4.5
+  specifies. (A later revision of the original's math.py instead drops the term and keeps the
+  0.9/0.1 split when no score is passed; with `enable_hallucination_score` on, the rollout always
+  passes one, so the two agree in the configuration the paper uses.)
 - `dapo` (4.4): answer from the last `Answer:` line in the last 300 characters, Minerva
   normalisation, accuracy ±1, soft overlong penalty.
 - `r1v` (4.4): `<think>…</think><answer>…</answer>` format, accuracy on the first answer block.

@@ -124,7 +124,7 @@ def strip_tag_whitespace(text: str) -> str:
     return _TAG_WS.sub(r"\1", text)
 
 
-_BOXED_IN_ANSWER = re.compile(r"\\boxed\{.*?\}")
+_BOXED_IN_ANSWER = re.compile(r"\\boxed\{.*?\}", re.DOTALL)
 _ANSWER_BLOCK = re.compile(r"<answer>(.*)</answer>", re.DOTALL)
 
 

@@ -116,10 +116,15 @@ def test_extract_boxed_content(text: str, expected: str) -> None:
         (r"<answer>1</answer>", False),  # no box
         (r"\boxed{1}", False),  # no answer block
         (r"<answer>\boxed{1}</answer><answer>\boxed{1}</answer>", False),
+        ("<answer>\\boxed{1\n}</answer>", True),  # the box regex matches across newlines (DOTALL)
     ],
 )
 def test_answer_format(response: str, ok: bool) -> None:
     assert answer_format_ok(response) is ok
+    # The rollout accepts STOP with the same rule (GUIDED_GRPO.md 1.8 = 4.3): keep them identical.
+    from asyncrl.actors.guided.verifier_io import has_final_answer
+
+    assert has_final_answer(response) is ok
 
 
 GOOD = r"<think>3+4</think><answer>\boxed{7}</answer>"
