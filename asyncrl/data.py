@@ -203,7 +203,8 @@ def _content_list(prompt: str, marker: str, kind: str) -> list[dict[str, Any]]:
 
 def build_messages(row: Mapping[str, Any], cfg: DataConfig | None = None) -> list[dict[str, Any]]:
     """OpenAI-style messages for one row (Guided-GRPO 7.2): [system] + one user message whose
-    content is a string, or a list of text/image (or video) items when the row has media."""
+    content is a string, or a list of text/image (or video) items when the row has the image
+    (video) column."""
     cfg = cfg or DataConfig()
     prompt = row[cfg.prompt_key]
     template = load_format_prompt(cfg.format_prompt)
@@ -213,11 +214,15 @@ def build_messages(row: Mapping[str, Any], cfg: DataConfig | None = None) -> lis
     if cfg.system_prompt:
         messages.append({"role": "system",
                          "content": student_system_prompt() if cfg.system_prompt == STUDENT_SYSTEM_PROMPT_NAME else cfg.system_prompt})
-    images, videos = row.get(cfg.image_key), row.get(cfg.video_key)
-    if images:
-        prompt = _reconcile_markers(prompt, "<image>", len(images))
+    # As the original: a row that HAS the image (video) column gets a content list, even when the
+    # list is empty; markers are reconciled only when there are images.
+    if cfg.image_key in row:
+        images = row.get(cfg.image_key) or []
+        k = len(images) if isinstance(images, (list, tuple)) else 1
+        if k > 0:
+            prompt = _reconcile_markers(prompt, "<image>", k)
         messages.append({"role": "user", "content": _content_list(prompt, "<image>", "image")})
-    elif videos:
+    elif cfg.video_key in row:
         messages.append({"role": "user", "content": _content_list(prompt, "<video>", "video")})
     else:
         messages.append({"role": "user", "content": prompt})

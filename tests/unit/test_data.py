@@ -125,7 +125,9 @@ def test_image_markers(prompt: str, k: int, content: list[dict]) -> None:
 def test_fixture_rows_items_carry_images_and_stringify_answers() -> None:
     rows = load_rows(str(FIX / "tiny.jsonl"))
     items = list(iter_items(rows))
-    assert items[0].images is None and items[0].messages == [{"role": "user", "content": "What is 1+1?"}]
+    # the row has the images column (empty): a content list, as the original builds it
+    assert items[0].images is None
+    assert items[0].messages == [{"role": "user", "content": [{"type": "text", "text": "What is 1+1?"}]}]
     assert items[1].images == ["a.png", "b.png"] and items[1].ground_truth == "3"
     assert [c["type"] for c in items[1].messages[0]["content"]] == ["text", "image", "text", "image", "text"]
     assert items[1].row["images"] == ["a.png", "b.png"] and items[1].uid == "val/1"
