@@ -1,0 +1,192 @@
+"""`LearnerGroup`: the W learner ranks as Ray actors in one placement group = one DeepSpeed job.
+
+- One bundle per rank (`learner.cpus_per_rank` CPUs, plus 1 GPU each when `learner.num_gpus > 0`),
+  strategy PACK. Rank 0's actor picks a free port on its node; every actor gets RANK, WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT and LOCAL_RANK (0: Ray gives each actor its own CUDA_VISIBLE_DEVICES)
+  in its environment before DeepSpeed starts. All ranks on one node rendezvous on 127.0.0.1.
+- Every call fans out to all ranks (the worker's methods contain collectives) and waits for all of
+  them, bounded by `cluster.startup_timeout_s` for start-up and `learner.batch_timeout_s` per call;
+  results come from rank 0 (metrics are identical on every rank).
+- Groups travel to the ranks as `asyncrl.protocol` msgpack frames put once in the object store
+  (no pickled Python objects on the way).
+- Checkpoints: `save_checkpoint(step, fill)` makes the temporary directory, has every rank write
+  its part, calls `fill(tmp_dir)` (the lead adds the buffer snapshot and data cursor there), then
+  commits atomically and prunes to `trainer.save_limit`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config
+from asyncrl.learner import checkpoint as ckpt
+
+__all__ = ["LearnerGroup", "LearnerActor"]
+
+
+class LearnerActor:
+    """Ray actor body: holds one `LearnerWorker` (built by `setup`, rebuildable with a new config)."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def node_address(self) -> tuple[str, int]:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, cfg_json: str, rank: int, world_size: int, master_addr: str, master_port: int) -> int:
+        import torch
+
+        cfg = Config.model_validate_json(cfg_json)
+        os.environ.setdefault("LOCAL_RANK", "0")
+        if cfg.learner.num_gpus == 0:
+            torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+        from asyncrl.learner.learner import LearnerWorker
+
+        if self.worker is not None:
+            self.worker.close()
+        self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
+        return self.worker.version
+
+    def train_step(self, frames: list[bytes]) -> dict[str, float]:
+        from asyncrl.protocol import decode
+
+        return self.worker.train_step([decode(f) for f in frames])
+
+    def export_state(self, bucket_bytes: int) -> dict[str, Any] | None:
+        """All ranks iterate the export; rank 0 returns {name: CPU tensor} (tests, small models)."""
+        out: dict[str, Any] = {}
+        for bucket in self.worker.export_named_tensors(bucket_bytes):
+            if self.worker.rank == 0:
+                out.update({n: t.detach().to("cpu", copy=True) for n, t in bucket})
+        return out if self.worker.rank == 0 else None
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.worker.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> int:
+        self.worker.load_checkpoint(directory)
+        return self.worker.version
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run any LearnerWorker method on this rank (e.g. the weight sender hook on rank 0)."""
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def version(self) -> int:
+        return self.worker.version
+
+
+class LearnerGroup:
+    """The learner job. `step(groups) -> metrics` (rank 0's), `version`, checkpoints, export."""
+
+    def __init__(self, cfg: Config, name: str = "learner") -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        lc = cfg.learner
+        self.world_size = cfg.learner_world_size
+        bundle: dict[str, float] = {"CPU": lc.cpus_per_rank}
+        if lc.num_gpus > 0:
+            bundle["GPU"] = 1
+        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        timeout = cfg.cluster.startup_timeout_s
+        ray.get(self._pg.ready(), timeout=timeout)
+        env = {"DS_ACCELERATOR": "cuda" if lc.num_gpus > 0 else "cpu", "LOCAL_RANK": "0",
+               "OMP_NUM_THREADS": str(max(1, int(lc.cpus_per_rank))), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+        remote = ray.remote(LearnerActor)
+        self.actors = []
+        for rank in range(self.world_size):
+            env_r = dict(env, RANK=str(rank), WORLD_SIZE=str(self.world_size))
+            self.actors.append(remote.options(
+                name=None, num_cpus=lc.cpus_per_rank, num_gpus=1 if lc.num_gpus > 0 else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+                runtime_env={"env_vars": env_r},
+            ).remote())
+        addrs = ray.get([a.node_address.remote() for a in self.actors], timeout=timeout)
+        master_addr, master_port = addrs[0]
+        if len({a for a, _ in addrs}) == 1:
+            master_addr = "127.0.0.1"  # one node: keep the rendezvous on loopback
+        self._master = (master_addr, master_port)
+        self._name = name
+        self._setup(cfg)
+
+    def _setup(self, cfg: Config) -> None:
+        import ray
+
+        self.cfg = cfg
+        cfg_json = cfg.model_dump_json()
+        addr, port = self._master
+        refs = [a.setup.remote(cfg_json, r, self.world_size, addr, port) for r, a in enumerate(self.actors)]
+        versions = ray.get(refs, timeout=self.cfg.cluster.startup_timeout_s)
+        self.version = int(versions[0])
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Rebuild the engines in the same processes (same world size and process group) from a new
+        config, e.g. another ZeRO stage; weights are reloaded from `cfg.model.path`."""
+        if cfg.learner_world_size != self.world_size:
+            raise ValueError("reconfigure keeps the world size")
+        self._setup(cfg)
+
+    def _all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        import ray
+
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return ray.get(refs, timeout=timeout or self.cfg.learner.batch_timeout_s)
+
+    def step(self, groups: Sequence[Any]) -> dict[str, float]:
+        import ray
+
+        from asyncrl.protocol import encode
+
+        frames = ray.put([encode(g) for g in groups])
+        metrics = self._all("train_step", frames)
+        self.version = int(metrics[0]["train/version"])
+        return metrics[0]
+
+    def export_state(self, bucket_bytes: int = 64 * 2**20) -> dict[str, Any]:
+        """Full parameters as CPU tensors (rank 0's export); for tests and small models."""
+        return self._all("export_state", bucket_bytes)[0]
+
+    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Run a LearnerWorker method on the given ranks (default all) and return their results."""
+        import ray
+
+        chosen = range(self.world_size) if ranks is None else ranks
+        return ray.get([self.actors[r].call.remote(method, *args) for r in chosen],
+                       timeout=self.cfg.learner.batch_timeout_s)
+
+    def checkpoint_root(self) -> Path:
+        return self.cfg.run_path / "checkpoints"
+
+    def save_checkpoint(self, step: int | None = None, fill: Callable[[Path], None] | None = None) -> Path:
+        """Atomic `checkpoints/step_N` (N = current version by default); `fill(tmp)` may add the
+        buffer snapshot (`tmp/buffer/`) and `tmp/data_cursor.json` before the commit."""
+        step = self.version if step is None else step
+        tmp = ckpt.begin(self.checkpoint_root(), step)
+        self._all("save_checkpoint", str(tmp))
+        if fill is not None:
+            fill(tmp)
+        return ckpt.commit(tmp, self.cfg.trainer.save_limit)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        self.version = int(self._all("load_checkpoint", str(path))[0])
+        return self.version
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        remove_placement_group(self._pg)
