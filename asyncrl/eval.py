@@ -1,0 +1,238 @@
+"""Evaluate a policy checkpoint on a built-in task, guided (verifier in the loop) and solver-only.
+
+    python -m asyncrl.eval --model assets/tiny-policy --task arith --split test [--guided|--solver-only]
+                           [--limit N] [--output FILE] [--max-turns 4] [--temperature 0]
+
+Both modes run the real guided protocol (`asyncrl.actors.guided`: Conversation, PolicyChat,
+GuideOptions with `training=False`, so the verifier is not shown the reference, as in Guided-GRPO
+validation) on vLLM's offline engine (CPU build here), greedy by default:
+- guided: the task's rule verifier answers every policy turn (GUIDED_GRPO.md 1.5); a
+  conversation ends on STOP + a formatted answer, or after `max_turns` policy turns.
+- solver-only: the same loop with a verifier that always says STOP, so the policy gets only the
+  continue prompt until it gives a formatted answer (1.5's STOP-without-answer rule), with the same
+  turn budget. Its hallucination score is measured after the fact by the rule verifier on each
+  turn (the policy never sees it).
+
+Reported per mode (the quantities of the Guided-GRPO paper): accuracy (last `\\boxed{}` of the final
+policy turn equals the answer), mean turns, mean policy / verifier tokens per sample (verifier
+tokens counted with the policy tokenizer on the raw reply), format rate (final turn has a valid
+final answer, 1.8), hallucination score (1.11, mean over samples). The JSON top level carries
+`guided_accuracy`, `solver_accuracy` and, from the guided mode when run (else solver-only),
+`mean_turns`, `mean_policy_tokens`, `mean_verifier_tokens`, `format_rate`, `hallucination_score`;
+`guided` / `solver` hold each mode's full numbers.
+
+`evaluate(model_path, rows, mode)` builds an engine; `evaluate_with_llm(llm, tokenizer, rows,
+mode)` reuses an offline `vllm.LLM`; `evaluate_async(generate, tokenizer, rows, mode)` drives any
+async `generate(prompt_ids, seed)` (e.g. a rollout actor's engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+Mode = Literal["guided", "solver"]
+STOP = "###STOP###"
+
+
+def _boxed(text: str) -> str | None:
+    from asyncrl.tasks.arith_verifier import boxed_value
+
+    return boxed_value(text)
+
+
+def load_split(task: str, split: str, data_dir: str | None = None) -> list[dict]:
+    """Rows of a built-in task split (`assets/<task>/<split>.jsonl` by default)."""
+    from asyncrl.tasks.arith import read_jsonl
+
+    root = Path(data_dir) if data_dir else Path(__file__).resolve().parents[1] / "assets" / task
+    return read_jsonl(root / f"{split}.jsonl")
+
+
+def make_conversations(rows: Sequence[dict], tokenizer: Any, mode: Mode, max_turns: int,
+                       max_prompt_length: int | None) -> list[Any]:
+    from asyncrl.actors.guided import Conversation, GuideOptions, PolicyChat
+
+    chat = PolicyChat(tokenizer)
+    # Solver-only has no verifier; the always-STOP stand-in carries no score, so scoring is off.
+    opts = GuideOptions(max_turns=max_turns, max_prompt_length=max_prompt_length, training=False,
+                        enable_hallucination_score=mode == "guided")
+    return [Conversation([{"role": "user", "content": r["problem"]}], chat=chat, options=opts,
+                         ground_truth=str(r["answer"]), uid=str(r.get("id", i))) for i, r in enumerate(rows)]
+
+
+def _verifier_fn(task: str, mode: Mode) -> Callable[[list[dict]], str]:
+    if mode == "solver":
+        return lambda messages: STOP
+    from asyncrl.tasks import get_rule_verifier
+
+    return get_rule_verifier(task)
+
+
+def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: str, mode: Mode) -> dict:
+    """Per-mode numbers from finished conversations (see the module docstring)."""
+    from asyncrl.actors.guided import has_final_answer
+    from asyncrl.tasks.arith_verifier import verify_turns
+
+    n = len(convs)
+    correct = [(_boxed(c.final_text) or "").strip() == str(r["answer"]).strip() for c, r in zip(convs, rows, strict=True)]
+    turns = [c.num_turns for c in convs]
+    pol_tok = [sum(len(t.token_ids) for t in c.turns) for c in convs]
+    ver_tok = [sum(len(tokenizer.encode(t.verifier_text or "", add_special_tokens=False)) for t in c.turns
+                   if mode == "guided") for c in convs]
+    if mode == "guided":
+        halluc = [c.hallucination_score for c in convs]
+    else:  # measured after the fact; the policy never saw these replies
+        halluc = []
+        for c, r in zip(convs, rows, strict=True):
+            texts = [t.text for t in c.turns]
+            scores = [verify_turns(r["problem"], texts[: i + 1]).score for i in range(len(texts))]
+            scored = [s for s in scores if s is not None]
+            halluc.append(sum(scored) / len(scored) if scored else 0.5)
+    reasons: dict[str, int] = {}
+    for c in convs:
+        reasons[str(c.finish_reason)] = reasons.get(str(c.finish_reason), 0) + 1
+
+    def mean(xs: Sequence[float]) -> float:
+        return round(sum(xs) / max(1, len(xs)), 4)
+
+    return {
+        "mode": mode, "n": n, "accuracy": mean([float(x) for x in correct]), "mean_turns": mean(turns),
+        "mean_policy_tokens": mean(pol_tok), "mean_verifier_tokens": mean(ver_tok),
+        "format_rate": mean([float(has_final_answer(c.final_text)) for c in convs]),
+        "hallucination_score": mean(halluc), "finish_reasons": reasons,
+    }
+
+
+def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode, *, task: str = "arith",
+                      max_turns: int = 4, max_tokens: int = 64, temperature: float = 0.0,
+                      max_prompt_length: int | None = 256, seed: int = 0,
+                      return_conversations: bool = False) -> dict:
+    """Lock-step turns over all conversations with an offline `vllm.LLM` (one batched call per turn)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from asyncrl.actors.guided import GenerateStep
+
+    convs = make_conversations(rows, tokenizer, mode, max_turns, max_prompt_length)
+    verify = _verifier_fn(task, mode)
+    while True:
+        steps = [(c, c.next_step()) for c in convs]
+        steps = [(c, s) for c, s in steps if s is not None]
+        if not steps:
+            break
+        gen = [(c, s) for c, s in steps if isinstance(s, GenerateStep)]
+        for c, s in steps:
+            if not isinstance(s, GenerateStep):
+                c.on_verified(verify(s.messages))
+        if gen:
+            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, detokenize=False,
+                                     seed=None if temperature == 0 else seed + i) for i in range(len(gen))]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=s.prompt_ids) for _, s in gen], params, use_tqdm=False)
+            for (c, _), o in zip(gen, outs, strict=True):
+                c.on_generated(list(o.outputs[0].token_ids), None, 0, str(o.outputs[0].finish_reason))
+    out = summarize(convs, rows, tokenizer, task, mode)
+    if return_conversations:
+        out["conversations"] = [c.messages() for c in convs]
+    return out
+
+
+async def evaluate_async(generate: Callable[..., Any], tokenizer: Any, rows: Sequence[dict], mode: Mode, *,
+                         task: str = "arith", max_turns: int = 4, max_prompt_length: int | None = 256,
+                         concurrency: int = 64) -> dict:
+    """Same numbers with an async `generate(prompt_ids, seed) -> (ids, logprobs, version, finish_reason)`
+    (the caller binds greedy sampling and max_tokens), conversations run concurrently."""
+    from asyncrl.actors.guided import rule_verify, run_conversation
+
+    convs = make_conversations(rows, tokenizer, mode, max_turns, max_prompt_length)
+    verify = rule_verify(_verifier_fn(task, mode))
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(c: Any) -> None:
+        async with sem:
+            await run_conversation(c, generate, verify)
+
+    await asyncio.gather(*(one(c) for c in convs))
+    return summarize(convs, rows, tokenizer, task, mode)
+
+
+def build_llm(model_path: str, max_model_len: int = 1024, seed: int = 0) -> Any:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
+               enable_prefix_caching=True)
+
+
+def combine(results: dict[str, dict]) -> dict:
+    """The JSON summary: top-level keys from guided (else solver), both accuracies, per-mode blocks."""
+    main = results.get("guided") or results["solver"]
+    out: dict[str, Any] = {
+        "guided_accuracy": results["guided"]["accuracy"] if "guided" in results else None,
+        "solver_accuracy": results["solver"]["accuracy"] if "solver" in results else None,
+    }
+    for k in ("mean_turns", "mean_policy_tokens", "mean_verifier_tokens", "format_rate", "hallucination_score"):
+        out[k] = main[k]
+    out.update(results)
+    return out
+
+
+def evaluate(model_path: str, rows: Sequence[dict], mode: Mode | Literal["both"] = "both", *, task: str = "arith",
+             max_turns: int = 4, max_tokens: int = 64, temperature: float = 0.0, max_prompt_length: int = 256,
+             llm: Any = None) -> dict:
+    """Evaluate `model_path` on `rows`; returns the JSON summary (`combine`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    llm = llm or build_llm(model_path, max_model_len=max_prompt_length + max_tokens + 64)
+    modes: list[Mode] = ["guided", "solver"] if mode == "both" else [mode]
+    results = {}
+    for m in modes:
+        t0 = time.time()
+        results[m] = evaluate_with_llm(llm, tokenizer, rows, m, task=task, max_turns=max_turns,
+                                       max_tokens=max_tokens, temperature=temperature,
+                                       max_prompt_length=max_prompt_length)
+        results[m]["wall_s"] = round(time.time() - t0, 1)
+    return combine(results)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m asyncrl.eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="policy checkpoint (HF format)")
+    p.add_argument("--task", default="arith")
+    p.add_argument("--split", default="test")
+    p.add_argument("--data-dir", default=None, help="directory with <split>.jsonl (default assets/<task>)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--guided", action="store_true", help="only the guided mode")
+    g.add_argument("--solver-only", action="store_true", help="only the solver-only mode")
+    p.add_argument("--limit", type=int, default=0, help="first N rows only")
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per policy turn")
+    p.add_argument("--max-prompt-length", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--output", default=None, help="write the JSON summary here")
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rows = load_split(a.task, a.split, a.data_dir)
+    if a.limit:
+        rows = rows[: a.limit]
+    mode: Any = "guided" if a.guided else "solver" if a.solver_only else "both"
+    summary = evaluate(a.model, rows, mode, task=a.task, max_turns=a.max_turns, max_tokens=a.max_tokens,
+                       temperature=a.temperature, max_prompt_length=a.max_prompt_length)
+    summary.update({"model": a.model, "task": a.task, "split": a.split, "rows": len(rows)})
+    text = json.dumps(summary, indent=1)
+    if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.output).write_text(text + "\n")
+    print(text, file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
