@@ -81,9 +81,10 @@ _set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
 def deadline(seconds: float | None) -> Iterator[None]:
     """Raise `GradingTimeout` in the current thread if the block runs longer than `seconds`.
 
-    Any thread, no signals. Guarantee: the exception is raised only inside the block (a
-    not-yet-delivered exception is cancelled on exit). Pure-Python code is interrupted within a
-    few bytecodes; one long C call is interrupted only when it returns.
+    Any thread, no signals. Guarantee: the exception is raised at most once and only inside the
+    block or its exit (a not-yet-delivered exception is cancelled on exit). Pure-Python code is
+    interrupted within a few bytecodes; one long C call only when it returns; code that catches
+    BaseException (bare `except:`) could swallow it, and then the block runs to its end.
     """
     if seconds is None or seconds <= 0:
         yield
@@ -94,14 +95,14 @@ def deadline(seconds: float | None) -> Iterator[None]:
     fired = []
 
     def watchdog() -> None:
-        wait = seconds
-        while not done.wait(wait):  # re-fire until the block ends, in case something swallowed it
-            with lock:
-                if done.is_set():
-                    return
+        # Fires once. Re-firing would risk an exception landing after the block if the target
+        # thread were interrupted before it could mark the block done.
+        if done.wait(seconds):
+            return
+        with lock:
+            if not done.is_set():
                 fired.append(True)
                 _set_async_exc(tid, GradingTimeout)
-            wait = 0.2
 
     threading.Thread(target=watchdog, name="grading-deadline", daemon=True).start()
     try:

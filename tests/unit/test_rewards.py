@@ -285,3 +285,34 @@ def test_grade_final_answer_uses_the_last_box() -> None:
     assert grade_final_answer(r"<answer> \boxed{2} </answer> wait, \boxed{\frac{52}{2}}", "26")
     assert not grade_final_answer(r"\boxed{26} no, \boxed{25}", "26")
     assert not grade_final_answer(None, "26") and not grade_final_answer("26", None)
+
+
+def test_deadline_never_leaks_an_exception_outside_its_block() -> None:
+    # Blocks that end right around their deadline race the watchdog; a timeout may only ever
+    # surface from the `with` statement itself, never later in unrelated code.
+    leaked: list[BaseException] = []
+    outcomes = {"timeout": 0, "ok": 0}
+
+    def run() -> None:
+        try:
+            for i in range(300):
+                try:
+                    with deadline(0.001):
+                        end = time.perf_counter() + (i % 5) * 0.0005
+                        while time.perf_counter() < end:
+                            pass
+                    outcomes["ok"] += 1
+                except GradingTimeout:
+                    outcomes["timeout"] += 1
+                x = 0
+                for j in range(2000):  # unrelated work after the block
+                    x += j
+            time.sleep(0.05)
+            sum(range(100000))
+        except BaseException as exc:  # noqa: BLE001 - anything here is a leak
+            leaked.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert not leaked and outcomes["ok"] + outcomes["timeout"] == 300
