@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -135,6 +136,8 @@ class TicketRequest:
 class TicketReply:
     ticket: int = -1
     """-1 = not granted before the timeout."""
+    version: int = 0
+    """The learner version v at the time of the reply (actors can check their weights against it)."""
 
 
 @dataclass(slots=True)
@@ -242,25 +245,58 @@ def _pack_ndarray(a: np.ndarray, parts: list[Any]) -> None:
     parts.append(memoryview(a.reshape(-1).view(np.uint8)))
 
 
+_local = threading.local()
+_KEYS: dict[str, bytes] = {}  # packed field names (a fixed, small set)
+
+
+def _packb(obj: Any) -> bytes:
+    """msgpack.packb without building a Packer per call (a Packer is not thread-safe: one per thread)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer()
+    return packer.pack(obj)
+
+
+def _key(name: str) -> bytes:
+    b = _KEYS.get(name)
+    if b is None:
+        b = _KEYS[name] = msgpack.packb(name)
+    return b
+
+
+def _pack_plain(obj: Any, parts: list[Any]) -> bool:
+    try:
+        parts.append(_packb(obj))
+        return True
+    except TypeError:  # an ndarray (or numpy scalar) somewhere inside: walk it
+        return False
+
+
 def _pack(obj: Any, parts: list[Any]) -> None:
     """Writes msgpack for `obj` into `parts` (bytes / memoryviews); arrays are not copied here."""
     if isinstance(obj, np.ndarray):
         _pack_ndarray(obj, parts)
+    elif type(obj) in _FIELDS:
+        names = _FIELDS[type(obj)]
+        parts.append(_map_header(len(names)))
+        for n in names:
+            parts.append(_key(n))
+            _pack(getattr(obj, n), parts)
+    elif isinstance(obj, (dict, list, tuple)) and _pack_plain(obj, parts):
+        pass  # no arrays inside: packed in one C call
     elif isinstance(obj, dict):
         parts.append(_map_header(len(obj)))
         for k, v in obj.items():
-            parts.append(msgpack.packb(k))
+            parts.append(_packb(k))
             _pack(v, parts)
     elif isinstance(obj, (list, tuple)):
         parts.append(_array_header(len(obj)))
         for v in obj:
             _pack(v, parts)
-    elif type(obj) in _FIELDS:
-        _pack({n: getattr(obj, n) for n in _FIELDS[type(obj)]}, parts)
     elif isinstance(obj, np.generic):
-        parts.append(msgpack.packb(obj.item()))
+        parts.append(_packb(obj.item()))
     else:
-        parts.append(msgpack.packb(obj))
+        parts.append(_packb(obj))
 
 
 def encode(msg: Any) -> bytes:
@@ -268,8 +304,7 @@ def encode(msg: Any) -> bytes:
     name = type(msg).__name__
     if MESSAGE_TYPES.get(name) is not type(msg):
         raise TypeError(f"cannot encode {type(msg)!r}: not a protocol message")
-    parts: list[Any] = [b"\x83", msgpack.packb("schema"), msgpack.packb(SCHEMA_VERSION),
-                        msgpack.packb("type"), msgpack.packb(name), msgpack.packb("body")]
+    parts: list[Any] = [b"\x83", _key("schema"), _packb(SCHEMA_VERSION), _key("type"), _key(name), _key("body")]
     _pack(msg, parts)
     return b"".join(parts)
 
@@ -320,7 +355,7 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def _build(cls: type, body: Any, where: str) -> Any:
+def _build(cls: type, body: Any, where: str, ranges: list[tuple[int, int]] | None = None) -> Any:
     if not isinstance(body, dict):
         raise _fail(where, f"body must be a map, got {type(body).__name__}")
     names = _FIELDS[cls]
@@ -338,7 +373,8 @@ def _build(cls: type, body: Any, where: str) -> Any:
             _check(f"{where}.samples", value, list)
             if not 0 < len(value) <= MAX_SAMPLES_PER_GROUP:
                 raise _fail(f"{where}.samples", f"{len(value)} samples (need 1..{MAX_SAMPLES_PER_GROUP})")
-            value = [_build(Sample, s, f"{where}.samples[{i}]") for i, s in enumerate(value)]
+            ranges = []
+            value = [_build(Sample, s, f"{where}.samples[{i}]", ranges) for i, s in enumerate(value)]
         else:
             _check(f"{where}.{name}", value, _SCALARS[name])
             if name in ("reward_parts", "stats"):
@@ -349,14 +385,16 @@ def _build(cls: type, body: Any, where: str) -> Any:
         missing = [n for n in ("uid", "prompt_uid", *Sample.ARRAYS) if n not in kw]
         if missing:
             raise _fail(where, f"missing field(s) {missing}")
-        _validate_sample(kw, where)
+        lo, hi = _validate_sample(kw, where)
+        if ranges is not None and hi >= 0:
+            ranges.append((lo, hi))
     elif cls is Group:
         missing = [n for n in ("prompt_uid", "samples", "min_version", "max_version") if n not in kw]
         if missing:
             raise _fail(where, f"missing field(s) {missing}")
     obj = cls(**kw)
     if cls is Group:
-        lo, hi = _version_range(obj.samples)
+        lo, hi = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (None, None)
         if lo is not None and (lo, hi) != (obj.min_version, obj.max_version):
             raise _fail(where, f"min/max_version ({obj.min_version}, {obj.max_version}) differ from the "
                                f"samples' trained token versions ({lo}, {hi})")
@@ -365,20 +403,27 @@ def _build(cls: type, body: Any, where: str) -> Any:
     return obj
 
 
-def _validate_sample(kw: dict[str, Any], where: str) -> None:
+def _validate_sample(kw: dict[str, Any], where: str) -> tuple[int, int]:
+    """Checks lengths and invariants with a handful of vectorised reductions; returns the (min, max)
+    policy version of the trained tokens ((-1, -1) when there are none)."""
     t = kw["response_ids"].shape[0]
     for n in ("response_mask", "behaviour_logprobs", "token_versions"):
         if kw[n].shape[0] != t:
             raise _fail(f"{where}.{n}", f"length {kw[n].shape[0]} != len(response_ids) {t}")
-    mask = kw["response_mask"]
-    if mask.size and (mask.min() < 0 or mask.max() > 1):
+    if t == 0:
+        return -1, -1
+    mask = kw["response_mask"].view(np.uint8)  # -1 shows as 255
+    if mask.max() > 1:
         raise _fail(f"{where}.response_mask", "values must be 0 or 1")
-    on = mask.astype(bool)
+    on = mask.view(np.bool_)  # valid 0/1 bytes: a free boolean view
     tv = kw["token_versions"]
-    if (tv[~on] != -1).any() or (tv[on] < 0).any():
+    if tv.min() < -1 or ((tv >= 0) != on).any():
         raise _fail(f"{where}.token_versions", "must be -1 where mask is 0 and >= 0 where mask is 1")
-    if np.isnan(kw["behaviour_logprobs"]).any():
+    lp = kw["behaviour_logprobs"]
+    if np.isnan(lp.sum()) and np.isnan(lp).any():  # the sum is NaN if any term is (cheap first test)
         raise _fail(f"{where}.behaviour_logprobs", "contains NaN")
+    # -1 (untrained) is the largest uint32, so the unsigned minimum is the minimum trained version
+    return int(tv.view(np.uint32).min()) if tv.max() >= 0 else -1, int(tv.max())
 
 
 def decode(frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:

@@ -60,6 +60,8 @@ class BufferClient:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._stash: list[Group] = []  # groups from batch replies that arrived after their timeout
+        self.version: int | None = None
+        """The learner version last reported by the server (in ticket and batch replies)."""
 
     # ---------------------------------------------------------------------------- transport
     def _sock(self) -> zmq.Socket:
@@ -116,6 +118,7 @@ class BufferClient:
         """Admission ticket id, or None if none was granted within timeout_s."""
         reply, _ = self._request(TicketRequest(self.actor_id, float(timeout_s)), wait_s=timeout_s)
         assert isinstance(reply, TicketReply)
+        self.version = reply.version
         return reply.ticket if reply.ticket >= 0 else None
 
     def release_ticket(self, ticket: int) -> bool:
@@ -167,6 +170,7 @@ class BufferClient:
         reply, frames = self._request(BatchRequest(num_groups - len(out), int(version), float(timeout_s)),
                                       wait_s=timeout_s)
         assert isinstance(reply, BatchReply)
+        self.version = reply.version
         for f in frames:
             g = decode(f.buffer, max_bytes=self.max_frame_bytes)
             if not isinstance(g, Group):

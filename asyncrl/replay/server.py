@@ -284,7 +284,7 @@ class ReplayBufferServer:
                 st.counters["tickets_timed_out"] += 1
             else:
                 st.record_wait("ticket", now - w.t0)
-            if not self._send(sock, w.ident, w.rid, TicketReply(-1 if ticket is None else ticket)) and ticket is not None:
+            if not self._send(sock, w.ident, w.rid, TicketReply(-1 if ticket is None else ticket, st.version)) and ticket is not None:
                 st.release(ticket)
         while self._batches:
             w = self._batches[0]

@@ -42,7 +42,7 @@ def synthetic_group(rng: np.random.Generator, *, prompt_uid: str, version: int, 
 def produce(address: str, producer_id: str, num_groups: int, seed: int, deadline_s: float = 60.0,
             n: int = 2, tokens: int = 64, gen_delay_s: float = 0.0) -> list[tuple[str, str, int]]:
     """A producer process: for each group take a ticket, stamp the group with the learner version
-    seen at ticket time (as an actor holding those weights would), optionally 'generate' for
+    reported with the ticket (as an actor holding those weights would), optionally 'generate' for
     gen_delay_s, push. Returns [(prompt_uid, push status, version)]."""
     from asyncrl.replay.client import BufferClient
 
@@ -54,7 +54,7 @@ def produce(address: str, producer_id: str, num_groups: int, seed: int, deadline
             ticket = client.acquire_ticket(timeout_s=0.5)
             if ticket is None:
                 continue
-            version = int(client.stats()["buffer/version"])
+            version = int(client.version or 0)
             if gen_delay_s:
                 time.sleep(float(rng.uniform(0, gen_delay_s)))
             uid = f"{producer_id}-{len(out)}"
@@ -62,3 +62,11 @@ def produce(address: str, producer_id: str, num_groups: int, seed: int, deadline
                                     max_tokens=tokens, actor_id=producer_id)
             out.append((uid, client.push(group, ticket).status, version))
     return out
+
+
+def restamp(group: Group, version: int) -> Group:
+    """Sets every trained token's version (and the group's range) to `version`, in place."""
+    for s in group.samples:
+        s.token_versions = np.where(s.response_mask.astype(bool), version, -1).astype(np.int32)
+    group.min_version = group.max_version = version
+    return group
