@@ -88,11 +88,16 @@ class WeightReceiver:
                 continue
             plan = json.loads(self._wait_get(f"g{g}/plan", deadline))
             if self.member_id not in plan["members"]:
-                if self._requested_gen != g:
+                if self._requested_gen < 0:
+                    # first time outside: ask to rejoin, and let the caller catch up from the store now
                     n = self.store.add(f"{PREFIX}/joinreq_n", 1)
                     self.store.set(f"{PREFIX}/joinreq/{n}", self.member_id)
                     self._requested_gen = g
-                return False
+                    return False
+                # a rejoin is pending: the sender takes us back at its next broadcast
+                self.dead_generation = g
+                continue
+            self._requested_gen = -1
             self.store.set(f"{PREFIX}/g{g}/ready/{self.member_id}", "1")
             if self._wait_get(f"g{g}/built", deadline) != b"go":
                 self.dead_generation = g

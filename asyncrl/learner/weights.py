@@ -237,6 +237,8 @@ class WeightSender:
             plan = {"members": members_now, "backend": self.backend, "world": len(members_now) + 1}
             self.store.set(f"{PREFIX}/g{g}/plan", json.dumps(plan))
             self.store.set(f"{PREFIX}/gen", str(g))
+            if g > 1:  # members already waiting for the old group's next round: move on
+                self.store.set(f"{PREFIX}/g{g - 1}/r{self.seq + 1}/start", json.dumps({"go": False}))
             self.seq = 0
             if not members_now:
                 self.group_members, self._dirty = [], False
@@ -325,12 +327,13 @@ class WeightSender:
         acked: list[str] = []
         if members:
             end = {"end": True, "version": version, "buckets": nbuckets, "failed": failed_at is not None}
-            self.store.set(f"{rk}/h{nbuckets if failed_at is None else failed_at}", json.dumps(end))
+            # after a failure, members that got bucket `failed_at` wait for header failed_at + 1
+            self.store.set(f"{rk}/h{nbuckets if failed_at is None else failed_at + 1}", json.dumps(end))
             if failed_at is None:
                 missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members}, time.monotonic() + self.timeout_s)
+                acked = [m for m in members if m not in missing]
             else:
                 missing = self._laggards(members, rk)
-            acked = [m for m in members if m not in missing]
             if missing:
                 self._drop(missing, "hung in the weight broadcast" if failed_at is not None else "did not ack")
             if failed_at is not None:

@@ -1,0 +1,205 @@
+"""Weight broadcast between real processes over gloo (no vLLM here; see test_engine.py for that).
+
+Proves: a bucketed broadcast (mixed dtypes, input as (name, tensor) pairs or as the learner's
+buckets) reproduces every tensor bit-exactly in 2 receiver processes, round after round; a member
+that never joins, one that stops taking part, and one that hangs inside a collective do not stall
+the sender beyond the watchdog bound, are reported dropped, and the others keep receiving; a
+dropped member that comes back rejoins and receives the next version; the WeightStore copy
+(Ray object store) serves a late joiner the newest version exactly.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncrl.learner.weights import WeightSender, fetch_weights, pack_buckets, unpack_bucket
+
+pytestmark = pytest.mark.integration
+TIMEOUT = 3.0
+
+
+def cfg(bucket_mb: float = 0.05, timeout_s: float = TIMEOUT) -> SimpleNamespace:
+    return SimpleNamespace(bucket_mb=bucket_mb, backend="gloo", timeout_s=timeout_s, host="127.0.0.1")
+
+
+def state_dict(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(100, 32, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(32, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.gate_proj.weight": torch.randn(64, 32, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g).half(),
+        "lm_head.weight": torch.randn(100, 32, generator=g),
+        "step": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def receiver_main(address: str, member: str, actions: list, q) -> None:
+    """Scripted member: "recv" = take part in a round; ("sleep", s) = be busy for s seconds;
+    "enter_and_hang" = join and enter the round, then never take part in the collective."""
+    torch.set_num_threads(1)
+    from asyncrl.actors.weight_receiver import WeightReceiver
+
+    rec = WeightReceiver(address, member, timeout_s=TIMEOUT)
+    q.put(("up", member, None, None))
+    for action in actions:
+        if action == "recv":
+            res = rec.receive(None, timeout_s=4 * TIMEOUT)
+            tensors = {n: t.clone() for n, t in res.pop("tensors", None) or []}
+            q.put((member, res["status"], res["version"], tensors))
+        elif action == "enter_and_hang":
+            assert rec._join(time.monotonic() + 4 * TIMEOUT)
+            rec.store.set(f"asyncrl_w/g{rec.generation}/r1/enter/{member}", "1")
+            time.sleep(6 * TIMEOUT)
+        else:
+            time.sleep(action[1])
+
+
+def start(sender: WeightSender, plans: dict[str, list]):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=receiver_main, args=(sender.address, m, a, q), daemon=True) for m, a in plans.items()]
+    for p in procs:
+        p.start()
+    for _ in procs:  # process start-up (importing torch) is not what the watchdog bounds
+        assert q.get(timeout=120)[0] == "up"
+    return q, procs
+
+
+def collect(q, n: int) -> dict[str, tuple]:
+    out = {}
+    for _ in range(n):
+        member, status, version, tensors = q.get(timeout=60)
+        out.setdefault(member, []).append((status, version, tensors))
+    return out
+
+
+def assert_exact(tensors: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert set(tensors) == set(ref)
+    for name, t in ref.items():
+        assert tensors[name].dtype == t.dtype and torch.equal(tensors[name], t), name
+
+
+def test_pack_unpack_roundtrip_and_bucket_sizes():
+    sd = state_dict(0)
+    buckets = list(pack_buckets(sd.items(), bucket_bytes=4096))
+    assert all(len({m["dtype"] for m in [b[0]]}) == 1 for b in buckets)
+    assert len(buckets) > 4  # small buckets -> several per dtype
+    got = {n: t for m, f in buckets for n, t in unpack_bucket(m, f)}
+    assert_exact(got, sd)
+    # the learner's format (lists of pairs) packs to the same bytes
+    as_lists = list(pack_buckets([list(sd.items())[:3], list(sd.items())[3:]], bucket_bytes=4096))
+    assert [m for m, _ in as_lists] == [m for m, _ in buckets] or len(as_lists) == len(buckets)
+    assert_exact({n: t for m, f in as_lists for n, t in unpack_bucket(m, f)}, sd)
+
+
+def test_broadcast_exact_to_two_receivers_over_rounds():
+    sender = WeightSender(cfg(), members=["a", "b"])
+    q, procs = start(sender, {"a": ["recv"] * 3, "b": ["recv"] * 3})
+    for version in (1, 2, 3):
+        sd = state_dict(version)
+        weights = sd.items() if version != 2 else [list(sd.items())[:4], list(sd.items())[4:]]
+        report = sender.broadcast(weights, version)
+        assert report.acked == ["a", "b"] and not report.dropped, report
+        got = collect(q, 2)
+        for member in "ab":
+            status, v, tensors = got[member][0]
+            assert status == "ok" and v == version
+            assert_exact(tensors, sd)
+    assert report.rebuilds == 0 and sender.generation == 1  # one group, reused
+    for p in procs:
+        p.join(10)
+    sender.close()
+
+
+def test_member_that_never_joins_is_dropped_within_timeout():
+    sender = WeightSender(cfg(), members=["a", "ghost"])
+    q, procs = start(sender, {"a": ["recv", "recv"]})
+    t0 = time.monotonic()
+    report = sender.broadcast(state_dict(1).items(), 1)
+    elapsed = time.monotonic() - t0
+    print(f"\nnever-joined member: broadcast returned after {elapsed:.2f}s (timeout {TIMEOUT}s): {report.as_dict()}")
+    assert report.dropped == ["ghost"] and report.acked == ["a"]
+    assert elapsed < 2 * TIMEOUT + 5  # process start (~s) + one watchdog period, not a hang
+    assert sender.dropped_total == 1 and "ghost" not in sender.members
+    assert collect(q, 1)["a"][0][:2] == ("ok", 1)
+    t0 = time.monotonic()
+    report = sender.broadcast(state_dict(2).items(), 2)  # next round: no waiting on the ghost
+    assert report.acked == ["a"] and time.monotonic() - t0 < 1.0
+    assert collect(q, 1)["a"][0][:2] == ("ok", 2)
+    for p in procs:
+        p.join(10)
+    sender.close()
+
+
+def test_busy_member_is_dropped_then_rejoins():
+    # b takes part in round 1, is busy during round 2 (dropped), then calls receive again:
+    # it is no longer a member, asks to rejoin, and receives round 3 with everyone else.
+    sender = WeightSender(cfg(), members=["a", "b"])
+    q, procs = start(sender, {"a": ["recv"] * 3, "b": ["recv", ("sleep", TIMEOUT + 1.5), "recv", "recv"]})
+    assert sender.broadcast(state_dict(1).items(), 1).acked == ["a", "b"]
+    collect(q, 2)
+    t0 = time.monotonic()
+    report = sender.broadcast(state_dict(2).items(), 2)
+    print(f"\nbusy member: round took {time.monotonic() - t0:.2f}s: {report.as_dict()}")
+    assert report.dropped == ["b"] and report.acked == ["a"]
+    assert time.monotonic() - t0 < 2 * TIMEOUT + 2
+    assert collect(q, 1)["a"][0][:2] == ("ok", 2)
+    got = collect(q, 1)  # b wakes up: not a member any more -> catch up from the store, ask to rejoin
+    assert got["b"][0][0] == "not_member"
+    time.sleep(0.2)
+    report = sender.broadcast(state_dict(3).items(), 3)
+    assert sorted(report.acked) == ["a", "b"], report
+    got = collect(q, 2)
+    for member in "ab":
+        assert got[member][0][:2] == ("ok", 3)
+        assert_exact(got[member][0][2], state_dict(3))
+    for p in procs:
+        p.join(10)
+    sender.close()
+
+
+def test_member_hung_inside_collective_is_dropped():
+    # 'hang' joins and enters the round but never takes part in the collective; the 64 MiB
+    # bucket cannot be absorbed by socket buffers, so the sender's collective hits the watchdog.
+    sender = WeightSender(cfg(bucket_mb=64), members=["a", "hang"])
+    q, procs = start(sender, {"a": ["recv", "recv"], "hang": ["enter_and_hang"]})
+    big = {"w": torch.randn(16 * 2**20)}
+    t0 = time.monotonic()
+    report = sender.broadcast(big.items(), 1)
+    elapsed = time.monotonic() - t0
+    print(f"\nhung member: broadcast returned after {elapsed:.2f}s: {report.as_dict()}")
+    assert report.dropped == ["hang"] and report.acked == [] and elapsed < 3 * TIMEOUT + 5
+    assert collect(q, 1)["a"][0][0] == "failed"  # a failed round leaves a's weights untouched
+    report = sender.broadcast(state_dict(2).items(), 2)  # the group is rebuilt without 'hang'
+    assert report.acked == ["a"] and report.rebuilds == 1 and "hang" not in report.members
+    res = collect(q, 1)["a"][0]
+    assert res[:2] == ("ok", 2)
+    assert_exact(res[2], state_dict(2))
+    for p in procs:
+        p.kill() if p.is_alive() and p.name else None
+    sender.close()
+
+
+def test_weight_store_serves_late_joiner():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, namespace="test-weights-store", log_to_driver=False)
+    try:
+        sender = WeightSender(cfg(), publish=True)  # no members: publish only
+        assert fetch_weights(min_version=-1) is None
+        for version in (1, 2):
+            report = sender.broadcast(state_dict(version).items(), version)
+            assert report.published and report.members == []
+        version, buckets = fetch_weights(min_version=0)
+        assert version == 2
+        assert_exact({n: t for m, f in buckets for n, t in unpack_bucket(m, f)}, state_dict(2))
+        assert fetch_weights(min_version=2) is None  # nothing newer
+        sender.close()
+    finally:
+        ray.shutdown()
