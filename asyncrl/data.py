@@ -30,6 +30,7 @@ Departs (on purpose):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -243,6 +244,10 @@ class PromptItem:
     epoch: int = 0
     row_index: int = 0
     videos: list[Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (what actors receive; `row` included, media carried as stored)."""
+        return dataclasses.asdict(self)
 
 
 def make_item(rows: Sequence[Mapping[str, Any]], row_index: int, cfg: DataConfig, index: int,

@@ -131,6 +131,8 @@ def test_fixture_rows_items_carry_images_and_stringify_answers() -> None:
     assert items[1].images == ["a.png", "b.png"] and items[1].ground_truth == "3"
     assert [c["type"] for c in items[1].messages[0]["content"]] == ["text", "image", "text", "image", "text"]
     assert items[1].row["images"] == ["a.png", "b.png"] and items[1].uid == "val/1"
+    d = items[1].to_dict()
+    assert d["messages"] == items[1].messages and d["ground_truth"] == "3" and d["index"] == 1
 
 
 def _tokenizer():
