@@ -167,3 +167,20 @@ def test_build_stream_filters_and_shards(tmp_path: Path) -> None:
     shard = build_stream(cfg, _tokenizer(), index=1, count=3)
     assert [x.index for x in shard.take(3)] == [1, 4, 7]
     assert not build_stream(cfg.model_copy(update={"val_files": str(f)}), split="val").shuffle
+
+
+def test_quickstart_data_section_builds_streams() -> None:
+    import os
+
+    from asyncrl.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "quickstart.yaml").data
+    cwd = os.getcwd()
+    os.chdir(root)  # config paths are relative to the repository root
+    try:
+        for split in ("train", "val", "test"):
+            item = build_stream(cfg, split=split).next()
+            assert item.ground_truth and item.messages[-1]["role"] == "user"
+    finally:
+        os.chdir(cwd)

@@ -161,3 +161,14 @@ def test_none_hallucination_score_reaches_plugins_as_absent_key() -> None:
     fn = build_reward_fn(RewardConfig(function=f"{SEQ}:compute_score", type="sequential"))
     got = fn([{"response": "4", "response_length": 1, "ground_truth": "4", "verifier_hallucination_score": None}])
     assert got[0]["hallucination"] == 0.5  # the plug-in's own default for a missing key
+
+
+def test_every_shipped_config_reward_section_resolves() -> None:
+    from asyncrl.config import load_config
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        fn = build_reward_fn(load_config(path).reward)
+        got = fn([{"response": r"<answer>\boxed{1}</answer>", "response_length": 3, "ground_truth": "1"}])
+        assert "overall" in got[0], path.name
