@@ -23,11 +23,13 @@ COORDINATOR_NAME = "coordinator"
 
 
 class Coordinator:
-    def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool, stream_state: dict[str, Any] | None = None,
+    def __init__(self, rows: list[dict[str, Any]], data_cfg_json: str, stream_state: dict[str, Any] | None = None,
                  reissue: list[int] | None = None):
+        from asyncrl.config import DataConfig
         from asyncrl.data import PromptStream
 
-        self.stream = PromptStream(rows, seed=seed, shuffle=shuffle)
+        data_cfg = DataConfig.model_validate_json(data_cfg_json)
+        self.stream = PromptStream(rows, seed=data_cfg.seed, shuffle=data_cfg.shuffle, cfg=data_cfg)
         if stream_state:
             self.stream.load_state_dict(stream_state)
         self._reissue: list[int] = list(reissue or [])
@@ -54,8 +56,7 @@ class Coordinator:
             item = self.stream.item_at(index)
         else:
             item = self.stream.next()
-        record = {"index": item.index, "uid": item.uid, "messages": item.messages, "ground_truth": item.ground_truth,
-                  "images": item.images, "actor_id": actor_id, "issued_at": time.time()}
+        record = {**item.to_dict(), "actor_id": actor_id, "issued_at": time.time()}
         self._in_flight[item.index] = record
         return record
 

@@ -151,7 +151,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         with step_timer("coordinator"):
             topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
                 name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None).remote(
-                rows, cfg.data.seed, cfg.data.shuffle,
+                rows, cfg.data.model_dump_json(),
                 stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None)
             ray.get(topo.coordinator.get_state.remote(), timeout=timeout)
         with step_timer("replay buffer"):

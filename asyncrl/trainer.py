@@ -268,12 +268,11 @@ class Trainer:
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
         import ray
 
-        from asyncrl.data import load_rows
+        from asyncrl.data import iter_items, load_rows
 
         files = self.cfg.data.test_files if split == "test" else self.cfg.data.val_files
-        rows = load_rows(files, self.cfg.data)
-        if self.cfg.trainer.eval_limit:
-            rows = rows[: self.cfg.trainer.eval_limit]
+        rows = [it.to_dict() for it in iter_items(load_rows(files, self.cfg.data), self.cfg.data, name=split,
+                                                   limit=self.cfg.trainer.eval_limit)]
         actors = list(self.topo.actors.values())
         t0 = time.time()
         # Split the rows over the actors' engines (they already hold the current weights).
