@@ -2,6 +2,7 @@
 
 - `RuleVerifier`: a built-in task's rule verifier (`asyncrl.tasks.get_rule_verifier(cfg.task)`),
   pure and deterministic; sampling fields are accepted and ignored; token counts are words.
+  Messages the rule cannot read (it raises ValueError) are a 400, not a server error.
 - `VLLMVerifier`: a verifier model in a vLLM `AsyncLLM` engine inside the replica, with its real
   weights loaded from `verifier.model_path` (Guided-GRPO's local verifier ran on random weights,
   GUIDED_GRPO.md §11 item 1) on the replica's own resources, not the policy's GPUs (§11 item 12).
@@ -23,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.serve.app import VerifierReplica, resolve_secret
+from asyncrl.serve.app import VerifierReplica, logger, resolve_secret
 from asyncrl.serve.schema import ChatRequest, Generation, RequestError
 
 
@@ -40,7 +41,10 @@ class RuleVerifier(VerifierReplica):
 
     async def _generate(self, req: ChatRequest) -> Generation:
         messages = req.plain_messages()
-        text = str(self._rule(messages))
+        try:
+            text = str(self._rule(messages))
+        except ValueError as exc:  # the rule cannot read these messages: the request is at fault
+            raise RequestError(f"rule verifier {self.cfg.task!r} cannot read this request: {exc}") from None
         prompt_words = sum(len(m["content"].split()) for m in messages)
         return Generation(text, "stop", prompt_words, len(text.split()))
 
@@ -67,6 +71,16 @@ class VLLMVerifier(VerifierReplica):
         args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=dtype, max_model_len=c.max_model_len,
                                enforce_eager=not on_gpu, seed=0)
         self.engine = AsyncLLM.from_engine_args(args)
+
+    def __del__(self) -> None:
+        """Serve calls this on graceful replica shutdown (after a swap): free the engine now, so
+        its memory (GPU memory on a cluster) is back before the next version needs it."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as exc:  # the process is going away anyway; say so and move on
+                logger.warning("vLLM engine shutdown of verifier %s failed: %s", self.version, exc)
 
     def check_health(self) -> None:
         """Serve's health check: a dead engine marks the replica unhealthy (Serve replaces it)."""

@@ -116,6 +116,7 @@ def test_api_key_required(service):
     ({**ORIGINAL_BODY, "top_p": 0}, "top_p"),
     ({**ORIGINAL_BODY, "stream": True}, "stream"),
     ({**ORIGINAL_BODY, "n": 4}, "n"),
+    ({**ORIGINAL_BODY, "messages": [{"role": "user", "content": "hi"}]}, "cannot read"),  # not the 1.9 layout
 ])
 def test_malformed_bodies_get_400_and_the_service_stays_up(service, body, field):
     url, headers = service["url"] + "/chat/completions", {**service["headers"], "Content-Type": "application/json"}

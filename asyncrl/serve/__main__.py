@@ -1,0 +1,67 @@
+"""`python -m asyncrl.serve --config X.yaml [verifier.port=8001 ...]`: just the verifier service.
+
+Starts Ray (embedded, or `cluster.ray_address`), Serve's HTTP proxy on `verifier.host:port`
+(`port=0` picks a free one) and the `verifier` application, prints the OpenAI base URL, and runs
+until Ctrl-C / SIGTERM, then deletes the application and stops what it started. The config is
+parsed before Ray is imported, so `--help` and config errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import threading
+
+
+def main(argv: list[str] | None = None) -> int:
+    from asyncrl.cli import add_config_args, config_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.serve", description="Run the verifier service alone "
+                                     "(Ray Serve app `verifier`, OpenAI-compatible HTTP); prints its URL.")
+    add_config_args(parser)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args, require_files=False)
+    vcfg = cfg.verifier
+    if vcfg.port == 0:
+        with socket.socket() as s:
+            s.bind((vcfg.host, 0))
+            vcfg = vcfg.model_copy(update={"port": s.getsockname()[1]})
+
+    import ray
+
+    from asyncrl.serve.deploy import deploy_verifier, shutdown_verifier
+
+    embedded = cfg.cluster.ray_address is None
+    if embedded:
+        ray.init(num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=cfg.cluster.namespace,
+                 include_dashboard=False)
+    else:
+        ray.init(address=cfg.cluster.ray_address, namespace=cfg.cluster.namespace)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deploy_verifier(vcfg)
+        print(f"verifier {vcfg.version} ({vcfg.backend}) serving at http://{vcfg.host}:{vcfg.port}/v1 "
+              f"(POST /chat/completions, GET /models, GET /health); Ctrl-C stops", flush=True)
+        stop.wait()
+    except RuntimeError as exc:
+        print(f"error: the verifier could not start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping the verifier", flush=True)
+        try:
+            shutdown_verifier()
+            if embedded:
+                from ray import serve
+
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
