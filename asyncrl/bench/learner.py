@@ -120,14 +120,18 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     smoke = bool(getattr(args, "smoke", False))
     tmp = tempfile.TemporaryDirectory(prefix="asyncrl-bench-learner-")
+    on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
+    tier = "smoke" if smoke else ("gpu" if on_gpu else "cpu")
     if not Path(cfg.model.path).exists():
-        size = dict(hidden=64, layers=2, intermediate=128) if smoke else dict(hidden=256, layers=4, intermediate=704)
+        size = {"smoke": dict(hidden=64, layers=2, intermediate=128),
+                "cpu": dict(hidden=256, layers=4, intermediate=704),
+                "gpu": dict(hidden=1024, layers=8, intermediate=2816, heads=16, kv_heads=4, vocab_words=32000)}[tier]
         cfg.model.path = str(build_tiny_qwen2(Path(tmp.name) / "policy", **size))
     cfg.learner.cpu_ranks = 1
     cfg.learner.num_gpus = min(cfg.learner.num_gpus, 1)
     cfg.trainer.run_dir = tmp.name
-    num_groups, n = (2, 4) if smoke else (8, 8)
-    lens = ((4, 12), (8, 24)) if smoke else ((32, 96), (64, 192))
+    num_groups, n = {"smoke": (2, 4), "cpu": (8, 8), "gpu": (16, 8)}[tier]
+    lens = {"smoke": ((4, 12), (8, 24)), "cpu": ((32, 96), (64, 192)), "gpu": ((128, 512), (256, 1024))}[tier]
     steps = 2 if smoke else 4
 
     from asyncrl.learner.learner import LearnerWorker
@@ -135,15 +139,6 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     worker = LearnerWorker(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
     vocab = worker.vocab_size
     batches = [synthetic_groups(num_groups, n, vocab, *lens, seed=s) for s in range(steps + 1)]
-    worker.train_step(batches[0])  # warm-up (allocations, first-call kernels)
-    t0 = time.perf_counter()
-    tokens = 0
-    for b in batches[1:]:
-        m = worker.train_step(b)
-        tokens += int(m["perf/train_tokens"])
-    learner_s = time.perf_counter() - t0
-    learner_tps = tokens / learner_s
-
     # Bare loop on the same micro-batches (same planner, same budget), same precision and device.
     from transformers import AutoModelForCausalLM
 
@@ -152,7 +147,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(device)
     model.train()
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learner.optim.lr)
     micro_sets = []
     for b in batches:
@@ -161,14 +156,29 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         plan = plan_micro_batches(idx, flat.prompt_lengths, flat.response_lengths,
                                   cfg.learner.micro_batch_tokens, cfg.learner.max_micro_batch_size)
         micro_sets.append([collate(flat, rows, worker.pad_id).to(device) for rows in plan])
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # warm-up both, then interleave (learner step, bare step) per batch so load drift on a shared
+    # machine hits both sides alike
+    worker.train_step(batches[0])
     _bare_step(model, opt, micro_sets[0], cfg.rollout.temperature)
-    t0 = time.perf_counter()
-    for micro in micro_sets[1:]:
+    learner_s = bare_s = 0.0
+    tokens = 0
+    for b, micro in zip(batches[1:], micro_sets[1:]):
+        sync()
+        t0 = time.perf_counter()
+        m = worker.train_step(b)
+        sync()
+        learner_s += time.perf_counter() - t0
+        tokens += int(m["perf/train_tokens"])
+        t0 = time.perf_counter()
         _bare_step(model, opt, micro, cfg.rollout.temperature)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    bare_s = time.perf_counter() - t0
-    bare_tps = tokens / bare_s
+        sync()
+        bare_s += time.perf_counter() - t0
+    learner_tps, bare_tps = tokens / learner_s, tokens / bare_s
     worker.close()
     tmp.cleanup()
     result = {

@@ -33,6 +33,7 @@ class LearnerActor:
 
     def __init__(self) -> None:
         self.worker: Any = None
+        self.sender: Any = None
 
     def node_address(self) -> tuple[str, int]:
         import ray
@@ -75,6 +76,31 @@ class LearnerActor:
     def load_checkpoint(self, directory: str) -> int:
         self.worker.load_checkpoint(directory)
         return self.worker.version
+
+    def start_weight_sender(self, port: int = 0, publish: bool = True) -> str | None:
+        """Rank 0: create the `WeightSender` (learner.weights) and return its address; others: None."""
+        self.sender = None
+        if self.worker.rank != 0:
+            return None
+        from asyncrl.learner.weights import WeightSender
+
+        self.sender = WeightSender(self.worker.cfg.learner.weights, port, publish=publish)
+        return self.sender.address
+
+    def weight_sender(self, method: str, *args: Any) -> Any:
+        """Rank 0: call a WeightSender method (add_receivers, remove_receivers, rebuild...)."""
+        return getattr(self.sender, method)(*args) if self.worker.rank == 0 else None
+
+    def broadcast_weights(self) -> dict[str, Any] | None:
+        """All ranks: export bucket by bucket (same bucket size everywhere, so ZeRO-3 gathers line
+        up); rank 0 broadcasts them as the current version and returns the report."""
+        bucket_bytes = max(1, int(self.worker.cfg.learner.weights.bucket_mb * 2**20))
+        buckets = self.worker.export_named_tensors(bucket_bytes)
+        if self.worker.rank == 0:
+            return self.sender.broadcast(buckets, self.worker.version).as_dict()
+        for _ in buckets:  # take part in the gathers (ZeRO-3); a no-op walk otherwise
+            pass
+        return None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run any LearnerWorker method on this rank (e.g. the weight sender hook on rank 0)."""
@@ -152,6 +178,19 @@ class LearnerGroup:
         metrics = self._all("train_step", frames)
         self.version = int(metrics[0]["train/version"])
         return metrics[0]
+
+    def start_weight_sender(self, port: int = 0, publish: bool = True) -> str:
+        """Create rank 0's WeightSender; returns the address receivers join."""
+        return self._all("start_weight_sender", port, publish)[0]
+
+    def weight_sender(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(self.actors[0].weight_sender.remote(method, *args), timeout=self.cfg.learner.batch_timeout_s)
+
+    def broadcast_weights(self) -> dict[str, Any]:
+        """Publish the current version to the weight group (and the WeightStore); rank 0's report."""
+        return self._all("broadcast_weights")[0]
 
     def export_state(self, bucket_bytes: int = 64 * 2**20) -> dict[str, Any]:
         """Full parameters as CPU tensors (rank 0's export); for tests and small models."""

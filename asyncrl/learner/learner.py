@@ -129,6 +129,9 @@ class LearnerWorker:
         load_kw = dict(dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, **cfg.model.override_config)
         model = AutoModelForCausalLM.from_pretrained(path, **load_kw)
         model.config.use_cache = False
+        model.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
+        self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+            float(getattr(model.config, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout"))
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.vocab_size = int(model.config.vocab_size)
@@ -188,8 +191,10 @@ class LearnerWorker:
 
     @torch.no_grad()
     def _logprobs(self, model: Any, flat: FlatBatch, plans: list[list[list[int]]]) -> torch.Tensor:
-        """[N, T] log-probs of this rank's rows (zeros elsewhere) under `model`."""
+        """[N, T] log-probs of this rank's rows (zeros elsewhere) under `model` (eval mode)."""
         out = torch.zeros_like(flat.response_mask)
+        was_training = model.training
+        model.eval()
         temp = self.cfg.rollout.temperature
         for plan in plans:
             for rows in plan:
@@ -197,6 +202,7 @@ class LearnerWorker:
                 lp = logprobs_from_logits(self._forward_logits(model, mb), self._labels(mb), temp)
                 if not mb.is_dummy:
                     out[mb.indices, : mb.response_len] = lp.float().cpu()
+        model.train(was_training)
         return out
 
     # --------------------------------------------------------------------------------- planning
@@ -241,7 +247,8 @@ class LearnerWorker:
         minis = split_mini_batches(flat.group_sizes, lc.mini_batches)
         plans = [self._plan(flat, rows) for rows in minis]
         mode = lc.off_policy.mode
-        reuse_prox = len(minis) == 1 and lc.ppo_epochs == 1 and not (kc.enable and kc.mode == "reward")
+        reuse_prox = (len(minis) == 1 and lc.ppo_epochs == 1 and not self._has_dropout
+                      and not (kc.enable and kc.mode == "reward"))
         need_prox = mode != "bypass" and not reuse_prox
 
         t_prox = time.perf_counter()

@@ -1,6 +1,6 @@
 """DeepSpeed learner on CPU (gloo), ranks as Ray actors (`LearnerGroup`), tiny random Qwen2:
 
-- 2 ranks with ZeRO-1 and with ZeRO-2, many small micro-batches, give the same parameters after two
+- 2 ranks with ZeRO-1 and with ZeRO-2 (+ gradient checkpointing), many small micro-batches, give the same parameters after two
   learner steps (two mini-batches each) as 1 rank with one big micro-batch per mini-batch: the
   token-mode loss normalisation is exact across micro-batches and ranks;
 - ZeRO-3 (2 ranks) exports, bucket by bucket, full tensors equal to that reference, under the HF
@@ -71,8 +71,9 @@ def test_zero_stages_match_single_rank(model_dir: str, ray_cluster, tmp_path) ->
         assert moved > 1e-4  # the update is large enough for the comparison to mean something
         for stage in (1, 2):
             if stage != 1:
-                multi.reconfigure(_cfg(model_dir, str(tmp_path), **{
-                    "learner.cpu_ranks": 2, "learner.zero_stage": stage, "learner.micro_batch_tokens": 48}))
+                multi.reconfigure(_cfg(model_dir, str(tmp_path), **{  # + gradient checkpointing
+                    "learner.cpu_ranks": 2, "learner.zero_stage": stage, "learner.micro_batch_tokens": 48,
+                    "model.gradient_checkpointing": True}))
             metrics = [multi.step(b) for b in batches]
             assert metrics[-1]["perf/micro_batches"] > 2 * 2  # really split into several micro-batches
             got = multi.export_state()
