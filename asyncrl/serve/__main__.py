@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import sys
 import threading
 
@@ -23,15 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, require_files=False)
-    vcfg = cfg.verifier
-    if vcfg.port == 0:
-        with socket.socket() as s:
-            s.bind((vcfg.host, 0))
-            vcfg = vcfg.model_copy(update={"port": s.getsockname()[1]})
 
     import ray
 
-    from asyncrl.serve.deploy import deploy_verifier, shutdown_verifier
+    from asyncrl.serve.deploy import deploy_verifier, resolve_port, shutdown_verifier
+
+    vcfg = resolve_port(cfg.verifier)
 
     embedded = cfg.cluster.ray_address is None
     if embedded:

@@ -42,7 +42,8 @@ class RuleVerifier(VerifierReplica):
     async def _generate(self, req: ChatRequest) -> Generation:
         messages = req.plain_messages()
         try:
-            text = str(self._rule(messages))
+            # In a worker thread: a slow rule must not stall the replica's other requests.
+            text = str(await asyncio.to_thread(self._rule, messages))
         except ValueError as exc:  # the rule cannot read these messages: the request is at fault
             raise RequestError(f"rule verifier {self.cfg.task!r} cannot read this request: {exc}") from None
         prompt_words = sum(len(m["content"].split()) for m in messages)

@@ -17,6 +17,7 @@ running yet) and runs the `verifier` application; it returns the application's h
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -54,8 +55,18 @@ def _verifier_cfg(cfg: Config | VerifierConfig) -> VerifierConfig:
     return cfg.verifier if isinstance(cfg, Config) else cfg
 
 
+def resolve_port(cfg: VerifierConfig) -> VerifierConfig:
+    """`port=0` -> a free port on `cfg.host` (Serve's proxy needs a concrete one)."""
+    if cfg.port != 0:
+        return cfg
+    with socket.socket() as s:
+        s.bind((cfg.host, 0))
+        return cfg.model_copy(update={"port": s.getsockname()[1]})
+
+
 def start_serve(cfg: VerifierConfig) -> None:
-    """Start Serve (controller + HTTP proxy on cfg.host:cfg.port) unless it runs already."""
+    """Start Serve (controller + HTTP proxy on cfg.host:cfg.port) unless it runs already. One Ray
+    cluster has one Serve proxy: if Serve already runs, its host/port stay (Serve logs a warning)."""
     from ray import serve
 
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
@@ -67,11 +78,20 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
     Raises RuntimeError with Serve's message when the version cannot start."""
     from ray import serve
 
-    vcfg = _verifier_cfg(cfg)
+    vcfg = resolve_port(_verifier_cfg(cfg))
     start_serve(vcfg)
     handle = serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix)
     _DEPLOYED[name] = (vcfg, rule_fn)
+    logger.info("verifier %s (%s) serving at %s", vcfg.version, vcfg.backend, verifier_url(name))
     return handle
+
+
+def verifier_url(name: str = APP_NAME, route_prefix: str = "/") -> str | None:
+    """OpenAI base URL of an application this process deployed (None if it deployed none)."""
+    if name not in _DEPLOYED:
+        return None
+    c = _DEPLOYED[name][0]
+    return f"http://{c.host}:{c.port}{route_prefix.rstrip('/')}/v1"
 
 
 def serving_info(name: str = APP_NAME, timeout_s: float = 30.0) -> dict[str, Any]:

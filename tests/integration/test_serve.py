@@ -224,3 +224,34 @@ def test_failed_swap_keeps_the_old_version_serving(service):
     assert all(r.ok for *_, r in log) and {r.version for *_, r in log} == {"v2"}
     print(f"\n[serve-bench] failed swap reported + rolled back in {report.seconds:.2f}s; "
           f"{len(log)} requests served by v2 meanwhile")
+
+
+def test_request_in_flight_finishes_on_the_old_version(service):
+    """A 1.5 s request started just before a swap is answered by the old version, not failed."""
+    from ray import serve
+
+    from asyncrl.serve.deploy import swap_verifier
+
+    def slow_rule(messages: list[dict]) -> str:  # a nested function: cloudpickled by value to the replica
+        import time as _time
+
+        if "SLOW" in messages[-1]["content"]:
+            _time.sleep(1.5)
+        return "ok " + messages[-1]["content"]
+
+    port = service["port"]
+    assert swap_verifier(rule_cfg(port, "v4-slow"), rule_fn=slow_rule).ok
+    client = VerifierClient(rule_cfg(port, "v4-slow"), handle=serve.get_app_handle("verifier"))
+
+    async def run():
+        slow = asyncio.create_task(client.chat([{"role": "user", "content": "SLOW"}], max_tokens=8,
+                                               temperature=0.0, top_p=1.0))
+        await asyncio.sleep(0.3)  # the request is now running on a v4-slow replica
+        report = await asyncio.to_thread(swap_verifier, rule_cfg(port, "v5"), rule_fn=slow_rule)
+        after = await client.chat([{"role": "user", "content": "fast"}], max_tokens=8, temperature=0.0, top_p=1.0)
+        return await slow, report, after
+
+    slow, report, after = asyncio.run(run())
+    assert report.ok and report.serving_version == "v5"
+    assert slow.ok and slow.version == "v4-slow" and slow.text == "ok SLOW" and slow.attempts == 1
+    assert after.ok and after.version == "v5"
