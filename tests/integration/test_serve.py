@@ -8,7 +8,8 @@ and the service keeps serving; a repeated request id gets the same reply; the `h
 passes requests through to an OpenAI-compatible endpoint; the VerifierClient works over both the
 Serve handle and HTTP; a live swap under continuous load (handle and HTTP clients) loses no
 request and needs no retry, requests issued after the swap see the new version; a swap to a
-version that cannot start reports why and the old version keeps serving throughout.
+version that cannot start reports why and the old version keeps serving throughout; a request in
+flight during a swap finishes on the old version; a swap may change the back-end.
 Prints the swap time and the rule back-end's latency p50/p95 (end to end, through the client).
 """
 
@@ -255,3 +256,15 @@ def test_request_in_flight_finishes_on_the_old_version(service):
     assert report.ok and report.serving_version == "v5"
     assert slow.ok and slow.version == "v4-slow" and slow.text == "ok SLOW" and slow.attempts == 1
     assert after.ok and after.version == "v5"
+
+
+def test_swap_to_another_backend(service):
+    """The proxy app swaps from the http back-end to the rule back-end: one deployment, new class."""
+    from asyncrl.serve.deploy import swap_verifier
+
+    report = swap_verifier(rule_cfg(service["port"], "proxy-rule"), name="verifier-proxy", route_prefix="/proxy")
+    assert report.ok and report.old_version == "proxy-v1" and report.serving_version == "proxy-rule", report
+    r = httpx.post(f"http://127.0.0.1:{service['port']}/proxy/v1/chat/completions", json=ORIGINAL_BODY,
+                   headers=service["headers"], timeout=30)
+    assert r.status_code == 200 and r.json()["version"] == "proxy-rule"
+    assert httpx.get(f"http://127.0.0.1:{service['port']}/proxy/health", timeout=10).json()["backend"] == "rule"
