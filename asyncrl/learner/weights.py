@@ -215,6 +215,13 @@ class WeightSender:
 
     def _wait_keys(self, keys: dict[str, str], deadline: float) -> list[str]:
         """Return the ids whose key is still missing at `deadline` (polls the store)."""
+        if not keys:
+            return []
+        try:  # event-driven: returns as soon as every key exists
+            self.store.wait(list(keys.values()), timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            return []
+        except Exception:  # noqa: BLE001 - a timeout: find out who is missing
+            pass
         missing = dict(keys)
         while missing:
             for member, key in list(missing.items()):

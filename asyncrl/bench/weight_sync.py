@@ -1,0 +1,206 @@
+"""`python -m asyncrl.bench weight-sync [--smoke] --output DIR`.
+
+Seconds to publish a state dict with `WeightSender.broadcast` (bucketed, per-dtype, manifest
+through the store, acks) to 1 and 2 receiver processes, next to ONE flat gloo broadcast of the
+same bytes to the same processes in the same run (a pre-built contiguous buffer, no packing, no
+manifest; timed up to the receivers' acks, like ours). `ratio` = flat seconds / our seconds for
+the largest state dict with the most receivers (goal >= 0.7); `ratio_min` over every non-tiny
+case. Cases: the quick-start policy (`model.path`, or a tiny Qwen2 when it is absent), synthetic
+100M- and 500M-parameter bf16 state dicts (smoke: 1M and 4M); plus a bucket-size sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.bench.common import print_table
+from asyncrl.learner.weights import WeightSender
+
+HOST = "127.0.0.1"
+WAIT_S = 180.0  # generous per-wait bound; a broken bench fails instead of hanging
+
+
+def _receiver(address: str, port: int, rank: int, max_receivers: int) -> None:
+    """Takes part in every round the driver orders through its `cmd/{rank}/{i}` keys, in order.
+    Joins one plain gloo group per receiver count k >= rank (`flat{k}`, world k + 1)."""
+    torch.set_num_threads(1)
+    from asyncrl.actors.weight_receiver import WeightReceiver
+
+    store = dist.TCPStore(HOST, port, None, False, timedelta(seconds=WAIT_S), wait_for_workers=False)
+    flat = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"flat{k}", store), rank, k + 1, timedelta(seconds=WAIT_S))
+            for k in range(rank, max_receivers + 1)}
+    rec = WeightReceiver(address, f"r{rank}", timeout_s=WAIT_S)
+    i = 0
+    while True:
+        cmd = json.loads(store.get(f"cmd/{rank}/{i}"))
+        if cmd["op"] == "stop":
+            return
+        if cmd["op"] == "ours":
+            res = rec.receive(lambda it: sum(1 for _ in it), buffered=False)
+            if res["status"] == "not_member":  # newly added (scaling): asked to join, now wait for it
+                res = rec.receive(lambda it: sum(1 for _ in it), buffered=False)
+            assert res["status"] == "ok", res
+        else:
+            buf = torch.empty(cmd["numel"], dtype=torch.uint8)
+            flat[cmd["k"]].broadcast([buf]).wait()
+            del buf
+        store.set(f"ack/{rank}/{i}", "1")
+        i += 1
+
+
+class Rig:
+    """Receiver processes shared by every case; a WeightSender and plain gloo groups over them."""
+
+    def __init__(self, max_receivers: int, bucket_mb: float) -> None:
+        self.max = max_receivers
+        cfg = SimpleNamespace(bucket_mb=bucket_mb, backend="gloo", timeout_s=WAIT_S, host=HOST)
+        self.sender = WeightSender(cfg)
+        self.store = dist.TCPStore(HOST, 0, None, True, timedelta(seconds=WAIT_S), wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_receiver, args=(self.sender.address, self.store.port, r, max_receivers),
+                                  daemon=True) for r in range(1, max_receivers + 1)]
+        for p in self.procs:
+            p.start()
+        self.flat_pg = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"flat{k}", self.store), 0, k + 1,
+                                                 timedelta(seconds=WAIT_S)) for k in range(1, max_receivers + 1)}
+        self.counts = {r: 0 for r in range(1, max_receivers + 1)}
+        self.k = 0
+
+    def use(self, k: int) -> None:
+        """Receivers 1..k take part from now on (a group rebuild, as when scaling)."""
+        self.k = k
+        self.sender.members = [f"r{r}" for r in range(1, k + 1)]
+        self.sender._dirty = True
+
+    def _order(self, cmd: dict[str, Any]) -> list[str]:
+        keys = []
+        for r in range(1, self.k + 1):
+            i = self.counts[r]
+            self.store.set(f"cmd/{r}/{i}", json.dumps(cmd))
+            keys.append(f"ack/{r}/{i}")
+            self.counts[r] += 1
+        return keys
+
+    def ours(self, state: dict[str, torch.Tensor], bucket_mb: float, version: int) -> float:
+        self.sender.bucket_bytes = int(bucket_mb * 2**20)
+        acks = self._order({"op": "ours"})
+        t0 = time.perf_counter()
+        report = self.sender.broadcast(state.items(), version)
+        self.store.wait(acks, timedelta(seconds=WAIT_S))
+        assert len(report.acked) == self.k, report
+        return time.perf_counter() - t0
+
+    def flat(self, flat: torch.Tensor) -> float:
+        acks = self._order({"op": "flat", "numel": flat.numel(), "k": self.k})
+        t0 = time.perf_counter()
+        self.flat_pg[self.k].broadcast([flat]).wait()
+        self.store.wait(acks, timedelta(seconds=WAIT_S))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.k = self.max
+        self._order({"op": "stop"})
+        for p in self.procs:
+            p.join(30)
+        self.sender.close()
+
+
+def synthetic_state(params: int, dtype: torch.dtype = torch.bfloat16, hidden: int = 1024) -> dict[str, torch.Tensor]:
+    """Transformer-shaped tensors (4h x h blocks plus norms) summing to about `params`."""
+    state, total, i = {}, 0, 0
+    while total < params:
+        rows = min(4 * hidden, max(1, (params - total) // hidden))
+        state[f"model.layers.{i}.mlp.up_proj.weight"] = torch.randn(rows, hidden).to(dtype)
+        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+        total += rows * hidden + hidden
+        i += 1
+    return state
+
+
+def policy_state(cfg: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """The quick-start policy's tensors (safetensors files under `model.path`), or, when it is
+    absent, a tiny Qwen2-shaped state dict (2 layers, hidden 64, untied head)."""
+    path = Path(cfg.model.path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if files:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return f"policy({path.name})", state
+    h, v, inter = 64, 512, 128
+    state = {"model.embed_tokens.weight": torch.randn(v, h), "lm_head.weight": torch.randn(v, h),
+             "model.norm.weight": torch.ones(h)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        state.update({p + "self_attn.q_proj.weight": torch.randn(h, h), p + "self_attn.q_proj.bias": torch.zeros(h),
+                      p + "self_attn.k_proj.weight": torch.randn(32, h), p + "self_attn.k_proj.bias": torch.zeros(32),
+                      p + "self_attn.v_proj.weight": torch.randn(32, h), p + "self_attn.v_proj.bias": torch.zeros(32),
+                      p + "self_attn.o_proj.weight": torch.randn(h, h), p + "mlp.gate_proj.weight": torch.randn(inter, h),
+                      p + "mlp.up_proj.weight": torch.randn(inter, h), p + "mlp.down_proj.weight": torch.randn(h, inter),
+                      p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)})
+    return "policy(tiny-qwen2)", state
+
+
+def _median(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def run(cfg: Any, args: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    smoke = bool(getattr(args, "smoke", False))
+    bucket_mb = cfg.learner.weights.bucket_mb
+    name, policy = policy_state(cfg)
+    sizes = [(name, policy), ("1M", synthetic_state(10**6, hidden=256)), ("4M", synthetic_state(4 * 10**6, hidden=256))] \
+        if smoke else [(name, policy), ("100M", synthetic_state(10**8)), ("500M", synthetic_state(5 * 10**8))]
+    sweep_mb = [0.25, 1.0, 4.0] if smoke else [16.0, 64.0, 256.0, 1024.0]
+    repeats = 1 if smoke else 2
+    cases, sweep, version = [], [], 0
+    rig = Rig(2, bucket_mb)
+    try:
+        for receivers in (1, 2):
+            rig.use(receivers)
+            for label, state in sizes:
+                nbytes = sum(t.numel() * t.element_size() for t in state.values())
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
+                reps = repeats if nbytes < 2**30 else 1
+                version += 1
+                rig.ours(state, bucket_mb, version)  # warm-up: group build, first connections
+                rig.flat(flat)
+                ours_s = _median(lambda: rig.ours(state, bucket_mb, version), reps)
+                flat_s = _median(lambda: rig.flat(flat), reps)
+                params = sum(t.numel() for t in state.values())
+                cases.append({"state": label, "params": params, "bytes": nbytes, "receivers": receivers,
+                              "bucket_mb": bucket_mb, "ours_s": ours_s, "flat_s": flat_s, "ratio": flat_s / ours_s,
+                              "ours_gb_per_s": nbytes / ours_s / 1e9})
+                del flat
+                if receivers == 1 and label == sizes[1][0]:
+                    for mb in sweep_mb:
+                        s = _median(lambda: rig.ours(state, mb, version), reps)
+                        sweep.append({"state": label, "receivers": receivers, "bucket_mb": mb, "ours_s": s,
+                                      "flat_s": flat_s, "ratio": flat_s / s})
+    finally:
+        rig.close()
+    big = [c for c in cases if c["state"] == sizes[-1][0]]
+    headline = max(big, key=lambda c: c["receivers"])
+    rows = [(f"{c['state']} x{c['receivers']} ours/flat s", f"{c['ours_s']:.3f} / {c['flat_s']:.3f} "
+             f"(ratio {c['ratio']:.2f})") for c in cases]
+    rows += [(f"sweep {s['state']} bucket {s['bucket_mb']:g} MB", f"{s['ours_s']:.3f} s (ratio {s['ratio']:.2f})")
+             for s in sweep]
+    print_table("weight-sync", rows)
+    return {"ratio": headline["ratio"], "ratio_min": min(c["ratio"] for c in cases if c["params"] >= 10**6),
+            "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep}
+
+
+
