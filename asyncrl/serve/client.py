@@ -1,6 +1,6 @@
 """VerifierClient: the async client the rollout actors use to ask the verifier service.
 
-Transport: a Ray Serve handle inside the cluster (`handle=`, or `VerifierClient.in_cluster`), or
+Transport: a Ray Serve handle inside the cluster (`handle=`, `app_name=` or `in_cluster`), or
 HTTP (`base_url=`, httpx) outside it; both carry the same request body (GUIDED_GRPO.md §3.2) and
 get the same OpenAI-shaped reply.
 
@@ -63,11 +63,16 @@ class _Final(Exception):
 
 class VerifierClient:
     def __init__(self, cfg: VerifierConfig, handle: Any = None, base_url: str | None = None, *,
-                 api_key: str | None = None, seed: int | None = None):
-        """`handle`: a Serve DeploymentHandle of the verifier app (in-cluster); otherwise HTTP to
-        `base_url` (default `http://{cfg.host}:{cfg.port}/v1`) with `api_key` (default: the
-        service's own `cfg.api_key`)."""
+                 app_name: str | None = None, api_key: str | None = None, seed: int | None = None):
+        """`handle`: a Serve DeploymentHandle of the verifier app (in-cluster), or `app_name` to
+        look that handle up (`serve.get_app_handle`); otherwise HTTP to `base_url` (default
+        `http://{cfg.host}:{cfg.port}/v1`) with `api_key` (default: the service's `cfg.api_key`).
+        `seed` seeds the backoff jitter only."""
         self.cfg = cfg
+        if handle is None and base_url is None and app_name is not None:
+            from ray import serve
+
+            handle = serve.get_app_handle(app_name)
         self.handle = handle
         self.base_url = (base_url or f"http://{cfg.host}:{cfg.port}/v1").rstrip("/")
         key = cfg.api_key if api_key is None else api_key
@@ -89,9 +94,7 @@ class VerifierClient:
     @classmethod
     def in_cluster(cls, cfg: VerifierConfig, app_name: str = "verifier") -> VerifierClient:
         """A client on the handle of the running `verifier` application (inside the Ray cluster)."""
-        from ray import serve
-
-        return cls(cfg, handle=serve.get_app_handle(app_name))
+        return cls(cfg, app_name=app_name)
 
     # ------------------------------------------------------------------ public API
     async def chat(self, messages: list[dict], *, max_tokens: int, temperature: float, top_p: float,

@@ -48,7 +48,15 @@ class SwapReport:
     rolled_back: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what `asyncrl.ctl swap-verifier` prints)."""
         return asdict(self)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Mapping-style access, so callers may treat the report as a dict."""
+        return getattr(self, key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
 
 
 def _verifier_cfg(cfg: Config | VerifierConfig) -> VerifierConfig:

@@ -16,6 +16,7 @@ Prints the swap time and the rule back-end's latency p50/p95 (end to end, throug
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import uuid
@@ -151,7 +152,7 @@ def test_client_over_handle_and_http(service):
 
     async def run():
         out = []
-        for client in (VerifierClient(cfg, handle=serve.get_app_handle("verifier")), VerifierClient(cfg)):
+        for client in (VerifierClient(cfg, app_name="verifier"), VerifierClient(cfg)):
             res = await client.chat(MESSAGES, max_tokens=64, temperature=0.2, top_p=0.95, top_k=-1)
             bad = await client.chat([{"role": "user"}], max_tokens=64, temperature=0.2, top_p=0.95)
             out.append((res, bad, client.metrics()))
@@ -204,6 +205,7 @@ def _run_swap_under_load(service, new_cfg, settle_s: float = 1.0):
 def test_live_swap_under_load(service):
     report, t0, t1, log, clients = _run_swap_under_load(service, rule_cfg(service["port"], "v2"))
     assert report.ok and report.old_version == "v1" and report.serving_version == "v2", report
+    assert report.get("ok") and report["new_version"] == "v2" and json.loads(json.dumps(report.to_dict()))["ok"]
     failures = [r.error for *_, r in log if not r.ok]
     assert not failures, failures[:3]
     assert sum(c.metrics()["verifier/retries"] for c in clients) == 0
