@@ -36,6 +36,16 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: str, ray_cluster, tmp_path_factory: pytest.TempPathFactory):
+    from asyncrl.learner.group import LearnerGroup
+
+    group = LearnerGroup(_cfg(model_dir, str(tmp_path_factory.mktemp("runs")), **{
+        "learner.cpu_ranks": 2, "learner.zero_stage": 1, "learner.micro_batch_tokens": 48}))
+    yield group
+    group.shutdown()
+
+
 def _cfg(model_dir: str, tmp: str, **over: object):
     items = {
         "model.path": model_dir, "trainer.run_dir": tmp, "learner.optim.lr": 1e-3, "learner.optim.eps": 1e-6,
@@ -55,14 +65,13 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def test_zero_stages_match_single_rank(model_dir: str, ray_cluster, tmp_path) -> None:
+def test_zero_stages_match_single_rank(model_dir: str, two_ranks, tmp_path) -> None:
     from asyncrl.learner.group import LearnerGroup
 
     batches = _batches(vocab=99)
     ref = LearnerGroup(_cfg(model_dir, str(tmp_path), **{"learner.cpu_ranks": 1, "learner.zero_stage": 1,
                                                          "learner.micro_batch_tokens": 100000}))
-    multi = LearnerGroup(_cfg(model_dir, str(tmp_path), **{"learner.cpu_ranks": 2, "learner.zero_stage": 1,
-                                                           "learner.micro_batch_tokens": 48}))
+    multi = two_ranks
     try:
         initial = ref.export_state()
         ref_metrics = [ref.step(b) for b in batches]
@@ -70,8 +79,7 @@ def test_zero_stages_match_single_rank(model_dir: str, ray_cluster, tmp_path) ->
         moved = _max_diff(initial, expected)
         assert moved > 1e-4  # the update is large enough for the comparison to mean something
         for stage in (1, 2):
-            if stage != 1:
-                multi.reconfigure(_cfg(model_dir, str(tmp_path), **{  # + gradient checkpointing
+            multi.reconfigure(_cfg(model_dir, str(tmp_path), **{  # ZeRO-2 also with gradient checkpointing(_cfg(model_dir, str(tmp_path), **{  # + gradient checkpointing
                     "learner.cpu_ranks": 2, "learner.zero_stage": stage, "learner.micro_batch_tokens": 48,
                     "model.gradient_checkpointing": True}))
             metrics = [multi.step(b) for b in batches]
@@ -96,29 +104,47 @@ def test_zero_stages_match_single_rank(model_dir: str, ray_cluster, tmp_path) ->
         assert set(got3) == hf_names
     finally:
         ref.shutdown()
-        multi.shutdown()
 
 
-def test_non_finite_gradient_skips_step(model_dir: str, ray_cluster, tmp_path) -> None:
-    from asyncrl.learner.group import LearnerGroup
+def test_non_finite_gradient_skips_step(model_dir: str, two_ranks, tmp_path) -> None:
+    group = two_ranks
+    for stage in (1, 0):
+        group.reconfigure(_cfg(model_dir, str(tmp_path), **{
+            "learner.cpu_ranks": 2, "learner.zero_stage": stage, "learner.mini_batches": 1}))
+        bad = synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=5)
+        bad[1].samples[0].reward = float("nan")  # NaN reward -> NaN advantages -> NaN gradient
+        before = group.export_state()
+        m = group.step(bad)
+        assert m["train/skipped_steps"] == 1.0 and m["train/optimizer_steps"] == 0.0, f"ZeRO-{stage}"
+        assert m["train/version"] == 1.0  # the version still advances (the batch was consumed)
+        assert _max_diff(before, group.export_state()) == 0.0
+        good = group.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=6))
+        assert good["train/skipped_steps"] == 0.0 and good["train/skipped_steps_total"] == 1.0
+        assert good["train/optimizer_steps"] == 1.0
+        assert _max_diff(before, group.export_state()) > 1e-5
 
-    group = LearnerGroup(_cfg(model_dir, str(tmp_path), **{"learner.cpu_ranks": 2, "learner.zero_stage": 1,
-                                                           "learner.mini_batches": 1}))
-    try:
-        for stage in (1, 0):
-            if stage == 0:
-                group.reconfigure(_cfg(model_dir, str(tmp_path), **{
-                    "learner.cpu_ranks": 2, "learner.zero_stage": 0, "learner.mini_batches": 1}))
-            bad = synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=5)
-            bad[1].samples[0].reward = float("nan")  # NaN reward -> NaN advantages -> NaN gradient
-            before = group.export_state()
-            m = group.step(bad)
-            assert m["train/skipped_steps"] == 1.0 and m["train/optimizer_steps"] == 0.0, f"ZeRO-{stage}"
-            assert m["train/version"] == 1.0  # the version still advances (the batch was consumed)
-            assert _max_diff(before, group.export_state()) == 0.0
-            good = group.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=6))
-            assert good["train/skipped_steps"] == 0.0 and good["train/skipped_steps_total"] == 1.0
-            assert good["train/optimizer_steps"] == 1.0
-            assert _max_diff(before, group.export_state()) > 1e-5
-    finally:
-        group.shutdown()
+
+def test_recomputed_proximal_matches_training_forward(model_dir: str, two_ranks, tmp_path) -> None:
+    """pi_prox recomputed in a separate pass (2 PPO epochs) equals the training forward's own
+    log-probs (1 epoch, reused): same mismatch KL to the behaviour policy, same first-epoch loss; with
+    a rollout temperature != 1 and the KL-in-reward path, REINFORCE++ advantages and seq averaging."""
+    over = {"learner.cpu_ranks": 2, "learner.zero_stage": 2, "learner.mini_batches": 1,
+            "rollout.temperature": 0.7, "learner.loss_avg_mode": "seq"}
+    batch = synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=21)
+    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **over))
+    one = two_ranks.step(batch)
+    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **over, **{"learner.ppo_epochs": 2}))
+    two = two_ranks.step(batch)
+    assert two["train/optimizer_steps"] == 2.0 and two["perf/prox_ref_s"] > 0
+    # mismatch KL(mu || pi_prox) is averaged over both epochs, pi_prox being the same in both
+    assert two["train/mismatch_kl"] == pytest.approx(one["train/mismatch_kl"], rel=1e-5)
+    assert one["train/ppo_kl"] == 0.0 and two["train/ppo_kl"] != 0.0  # epoch 2 moved away from pi_prox
+
+    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **{**over, **{
+        "learner.kl.enable": True, "learner.kl.mode": "reward", "learner.kl.coef": 0.1,
+        "algorithm.adv_estimator": "reinforce_plus_plus", "learner.mini_batches": 2}}))
+    m = two_ranks.step(batch)
+    assert m["train/kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # reference = initial weights = pi_prox
+    assert m["train/optimizer_steps"] == 2.0 and all(v == v for v in m.values())  # no NaN anywhere
+    m2 = two_ranks.step(synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=22))
+    assert m2["train/kl_penalty"] > 0  # the policy moved away from the reference
