@@ -9,7 +9,7 @@ What a VL micro-batch needs beyond `batching.collate`'s text tensors, and how to
 
 `extra` = `pixel_values`, `image_grid_thw` (the processor's, recomputed from the PNG-exact images
 that the engine saw; cached per image hash) and `position_ids` of shape (4, n, L): row 0 the text
-positions (real tokens counted, padding 0: what `collate` uses), rows 1-3 the mRoPE
+positions (real tokens counted: exactly `collate`'s `position_ids`), rows 1-3 the mRoPE
 (temporal, height, width) positions from the model's own `get_rope_index` over the WHOLE sequence
 prompt + response, so both train scopes (final_turn: last prompt + last turn; full_turn: first
 prompt + every turn and user turn) get the positions vLLM used when it sampled each token.
@@ -142,14 +142,15 @@ def check_image_tokens(input_ids: Tensor, attention_mask: Tensor | None, image_g
 def mrope_position_ids(model: Any, input_ids: Tensor, attention_mask: Tensor, image_grid_thw: Tensor | None,
                        video_grid_thw: Tensor | None = None) -> Tensor:
     """(4, n, L) position ids: [text positions; 3 mRoPE rows from the model's `get_rope_index`].
-    Padding (attention 0) gets 0 in every row; left and right padding are both fine."""
+    Row 0 is `batching.collate`'s formula (real tokens counted; left pads 0, right pads repeat
+    the last position); mRoPE rows are 0 on padding. Left and right padding are both fine."""
     m = getattr(model, "module", model)
     inner = getattr(m, "model", m)
     config = m.config
     rope, _ = inner.get_rope_index(input_ids, mm_token_type_ids=mm_token_type_ids(input_ids, config),
                                    image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                                    attention_mask=attention_mask)
-    text = (attention_mask.long().cumsum(-1) - 1).clamp_min(0).masked_fill(attention_mask == 0, 0)
+    text = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # == batching.collate's position_ids
     return torch.cat([text.unsqueeze(0), rope.to(text.dtype)], dim=0)
 
 
