@@ -8,6 +8,9 @@ Guarantees
   straight into the output frame (one copy, by the final ``b"".join``); decoding copies each ext
   payload once (msgpack hands it over as ``bytes``) and wraps it with ``np.frombuffer`` (no further
   copy). Decoded arrays are therefore **read-only**; copy them before writing in place.
+- A Group travels columnar: per-sample scalars in a list, each array field of all samples back to
+  back in one ext array, plus int64[n, 2] lengths (5 arrays per group instead of 5 per sample), so
+  decoding and validation are vectorised over the group; decoded samples are views into them.
 - No pickle, no Python lists of numbers.
 - ``decode`` validates strictly: schema version, message type, field names and types, dtype
   allow-list, shape consistency between a Sample's arrays, mask/version invariants, the Group's

@@ -6,11 +6,11 @@ masks and per-token versions; ~0.3 MB each). Measured in one run, each in its ow
   no acknowledgement): the transport ceiling.
 - `codec_pipe`: the same PUSH/PULL pair, but the producer encodes each Group and the consumer
   decodes (validates) it: what any typed transport costs.
-- `buffer`: one producer process (4 concurrent pushers, as an actor has several groups in flight)
-  -> replay buffer server process -> learner (this process), the real path: admission ticket,
-  encode, push, server-side validation and acknowledgement, batch request at a stepping version,
-  decode. `buffer_one_pusher`: the same with strictly one push at a time (two round trips per
-  group). `buffer_2_producers`: two producer processes. Latency = delivery time - the group's created_at
+- `buffer` (the `ratio`): one producer process -> replay buffer server process -> learner (this
+  process), the real path: admission ticket, encode, push, server-side validation and
+  acknowledgement, batch request at a stepping version, decode; one push at a time (two round
+  trips per group). Full runs add `buffer_4_pushers` (4 threads pushing concurrently in one
+  producer process) and `buffer_2_producers` (two producer processes). Latency = delivery time - the group's created_at
   (set just before the push), so it includes time spent waiting in the buffer.
 `ratio` = buffer groups/s / bare groups/s. Also the encode and decode time of a 1 MB group.
 """
@@ -228,22 +228,20 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     codec = _codec_1mb(5 if smoke else 50)
     bare = _bare(n, 1, tokens, codec=False)
     codec_pipe = _bare(n, 1, tokens, codec=True)
-    buffer = _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=PUSHERS)
-    sync = _through_buffer(cfg.buffer, batch_size, n, 1, 2, tokens, threads=1)
+    buffer = _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1)
     result: dict[str, Any] = {
         "ratio": buffer["groups_per_s"] / bare["groups_per_s"],
-        "ratio_one_pusher": sync["groups_per_s"] / bare["groups_per_s"],
         "ratio_vs_codec_pipe": buffer["groups_per_s"] / codec_pipe["groups_per_s"],
-        "bare": bare, "codec_pipe": codec_pipe, "buffer": buffer, "buffer_one_pusher": sync, "codec_1mb": codec,
+        "bare": bare, "codec_pipe": codec_pipe, "buffer": buffer, "codec_1mb": codec,
         "params": {"groups": n, "samples_per_group": 8, "response_tokens": list(tokens), "prompt_tokens": 256,
                    "batch_size": batch_size, "max_staleness": cfg.buffer.max_staleness, "producers": 1,
-                   "pushers_per_producer": PUSHERS,
                    "hwm": cfg.buffer.hwm, "smoke": smoke},
     }
     if not smoke:
-        result["buffer_2_producers"] = _through_buffer(cfg.buffer, batch_size, n, 2, 11, tokens, threads=PUSHERS)
+        result[f"buffer_{PUSHERS}_pushers"] = _through_buffer(cfg.buffer, batch_size, n, 1, 2, tokens, threads=PUSHERS)
+        result["buffer_2_producers"] = _through_buffer(cfg.buffer, batch_size, n, 2, 11, tokens)
     rows = [("ratio (buffer / bare groups/s)", result["ratio"]), ("ratio vs codec pipe", result["ratio_vs_codec_pipe"])]
-    for name in ("bare", "codec_pipe", "buffer", "buffer_one_pusher", "buffer_2_producers"):
+    for name in ("bare", "codec_pipe", "buffer", f"buffer_{PUSHERS}_pushers", "buffer_2_producers"):
         if name in result:
             r = result[name]
             rows.append((f"{name}: groups/s | MB/s", f"{r['groups_per_s']:.1f} | {r['mb_per_s']:.1f}"))

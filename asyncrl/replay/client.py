@@ -25,9 +25,24 @@ import zmq.auth
 
 from asyncrl.config import CurveConfig
 from asyncrl.protocol import (
-    Ack, BatchReply, BatchRequest, ErrorReply, Group, ProtocolError, Push, PushReply, RestoreRequest,
-    SetVersion, SnapshotRequest, StatsReply, StatsRequest, TicketRelease, TicketReply, TicketRequest,
-    decode, encode,
+    Ack,
+    BatchReply,
+    BatchRequest,
+    ErrorReply,
+    Group,
+    ProtocolError,
+    Push,
+    PushReply,
+    RestoreRequest,
+    SetVersion,
+    SnapshotRequest,
+    StatsReply,
+    StatsRequest,
+    TicketRelease,
+    TicketReply,
+    TicketRequest,
+    decode,
+    encode,
 )
 
 

@@ -43,9 +43,24 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from asyncrl.config import BufferConfig
 from asyncrl.protocol import (
-    Ack, BatchReply, BatchRequest, ErrorReply, Group, ProtocolError, Push, PushReply, RestoreRequest,
-    SetVersion, SnapshotRequest, StatsReply, StatsRequest, TicketRelease, TicketReply, TicketRequest,
-    decode, encode,
+    Ack,
+    BatchReply,
+    BatchRequest,
+    ErrorReply,
+    Group,
+    ProtocolError,
+    Push,
+    PushReply,
+    RestoreRequest,
+    SetVersion,
+    SnapshotRequest,
+    StatsReply,
+    StatsRequest,
+    TicketRelease,
+    TicketReply,
+    TicketRequest,
+    decode,
+    encode,
 )
 from asyncrl.replay.snapshot import read_snapshot, write_snapshot
 from asyncrl.replay.state import BufferState, UnknownTicket

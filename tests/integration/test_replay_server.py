@@ -24,7 +24,11 @@ import zmq.auth
 
 from asyncrl.config import BufferConfig, CurveConfig
 from asyncrl.protocol import (
-    BatchRequest, ErrorReply, Push, PushReply, TicketRequest, decode, encode,
+    ErrorReply,
+    Push,
+    PushReply,
+    decode,
+    encode,
 )
 from asyncrl.replay import BufferClient, BufferFull, BufferRequestError, BufferTimeout, ReplayBufferServer
 from asyncrl.replay.snapshot import read_snapshot

@@ -14,8 +14,17 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from asyncrl.protocol import (
-    SCHEMA_VERSION, BatchRequest, ErrorReply, Group, ProtocolError, PushReply, Sample, StatsReply,
-    TicketRequest, decode, encode,
+    SCHEMA_VERSION,
+    BatchRequest,
+    ErrorReply,
+    Group,
+    ProtocolError,
+    PushReply,
+    Sample,
+    StatsReply,
+    TicketRequest,
+    decode,
+    encode,
 )
 from asyncrl.replay.synthetic import synthetic_group
 
