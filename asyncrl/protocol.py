@@ -153,14 +153,21 @@ class TicketRelease:
 class Push:
     """One group follows in the next frame. ticket -1 = pushed without admission (untracked, no dedup)."""
     ticket: int = -1
+    want_ticket: bool = False
+    """Also ask for the next admission ticket (granted only if available at once): saves a round trip."""
 
 
 @dataclass(slots=True)
 class PushReply:
     status: str = "stored"
     """stored | duplicate (this ticket's group is already stored) | filtered (dynamic sampling,
-    accepted and dropped) | full (not stored; retry later) | rejected (malformed, see detail)."""
+    accepted and dropped) | stale (beyond the staleness bound already; dropped) | full (not stored;
+    retry later)."""
     detail: str = ""
+    next_ticket: int = -1
+    """The ticket asked for with Push.want_ticket; -1 = none available right now."""
+    version: int = 0
+    """The learner version v at the time of the reply."""
 
 
 @dataclass(slots=True)
@@ -399,7 +406,8 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "verifier_version": str, "min_version": int, "max_version": int, "created_at": (int, float),
     "actor_id": str, "metadata": dict, "reward_parts": dict, "samples": list, "ticket": int,
     "timeout_s": (int, float), "status": str, "detail": str, "num_groups": int, "version": int,
-    "dropped_stale": int, "stats": dict, "path": str, "code": str, "message": str,
+    "dropped_stale": int, "stats": dict, "path": str, "code": str, "message": str, "want_ticket": bool,
+    "next_ticket": int,
 }
 
 

@@ -8,8 +8,8 @@ masks and per-token versions; ~0.3 MB each). Measured in one run, each in its ow
   decodes (validates) it: what any typed transport costs.
 - `buffer` (the `ratio`): one producer process -> replay buffer server process -> learner (this
   process), the real path: admission ticket, encode, push, server-side validation and
-  acknowledgement, batch request at a stepping version, decode; one push at a time (two round
-  trips per group). Full runs add `buffer_4_pushers` (4 threads pushing concurrently in one
+  acknowledgement, batch request at a stepping version, decode; one push at a time, the next
+  ticket riding on the push's acknowledgement (one round trip per group when tickets are free). Full runs add `buffer_4_pushers` (4 threads pushing concurrently in one
   producer process) and `buffer_2_producers` (two producer processes). Latency = delivery time - the group's created_at
   (set just before the push), so it includes time spent waiting in the buffer.
 `ratio` = buffer groups/s / bare groups/s. Also the encode and decode time of a 1 MB group.
@@ -120,18 +120,22 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
 
     def pusher(t: int) -> None:
         try:
-            i = 0
+            i, ticket = 0, None
             while not stop.is_set():
-                ticket = client.acquire_ticket(timeout_s=0.5)
                 if ticket is None:
-                    continue
+                    ticket = client.acquire_ticket(timeout_s=0.5)
+                    if ticket is None:
+                        continue
                 group = restamp(pools[t][i % len(pools[t])], client.version or 0)
                 group.prompt_uid = f"{seed}-{t}-{i}"
                 group.created_at = time.time()
-                status = client.push(group, ticket).status
+                reply = client.push(group, ticket, want_ticket=True)  # the next ticket rides on the ack
                 i += 1
-                if status not in ("stored", "stale"):
-                    raise RuntimeError(f"push answered {status}")
+                if reply.status not in ("stored", "stale"):
+                    raise RuntimeError(f"push answered {reply.status}")
+                ticket = reply.next_ticket if reply.next_ticket >= 0 else None
+            if ticket is not None:
+                client.release_ticket(ticket)
         except BaseException as exc:
             errors.append(exc)
 

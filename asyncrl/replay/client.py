@@ -78,7 +78,7 @@ class BufferClient:
 
     @property
     def version(self) -> int | None:
-        """The learner version the server reported in this thread's last ticket or batch reply."""
+        """The learner version the server reported in this thread's last ticket, push or batch reply."""
         return getattr(self._local, "version", None)
 
     # ---------------------------------------------------------------------------- transport
@@ -145,13 +145,15 @@ class BufferClient:
         return isinstance(reply, Ack) and reply.detail == "released"
 
     def push(self, group: Group | bytes, ticket: int | None = None, *, block_s: float = 60.0,
-             attempt_s: float = 10.0) -> PushReply:
+             attempt_s: float = 10.0, want_ticket: bool = False) -> PushReply:
         """Pushes one group (a Group or its encoded frame). Returns the server's acknowledgement
         (status stored/duplicate/filtered/stale). While the buffer answers "full", retries with
         backoff for up to block_s, then raises BufferFull. Retries after an unanswered attempt
-        (attempt_s) reuse the ticket, so the group is stored once. Raises BufferRequestError if rejected."""
+        (attempt_s) reuse the ticket, so the group is stored once. Raises BufferRequestError if
+        rejected. `want_ticket`: the reply's `next_ticket` is the next admission ticket if one is
+        free at once (-1 otherwise; then call acquire_ticket), saving a round trip per group."""
         blob = group if isinstance(group, (bytes, memoryview)) else encode(group)
-        msg = Push(-1 if ticket is None else int(ticket))
+        msg = Push(-1 if ticket is None else int(ticket), want_ticket)
         deadline, backoff = time.monotonic() + block_s, 0.005
         while True:
             try:
@@ -162,6 +164,7 @@ class BufferClient:
                 self._reset_socket()
                 continue
             assert isinstance(reply, PushReply)
+            self._local.version = reply.version
             if reply.status != "full":
                 return reply
             if time.monotonic() + backoff > deadline:

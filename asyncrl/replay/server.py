@@ -260,7 +260,11 @@ class ReplayBufferServer:
             if not isinstance(group, Group):
                 raise ProtocolError(f"Push must carry a Group frame, got {type(group).__name__}")
             status = st.ingest(group, frame.buffer, msg.ticket)
-            self._send(sock, ident, rid, PushReply(status))
+            # FIFO fairness: no ticket jumps the queue of parked ticket requests
+            nxt = st.grant(group.actor_id) if msg.want_ticket and status != "full" and not self._tickets else None
+            if not self._send(sock, ident, rid, PushReply(status, "", -1 if nxt is None else nxt, st.version)) \
+                    and nxt is not None:
+                st.release(nxt)
         elif isinstance(msg, TicketRequest):
             self._tickets.append(_Waiter(ident, rid, msg, now, now + max(0.0, float(msg.timeout_s))))
         elif isinstance(msg, BatchRequest):

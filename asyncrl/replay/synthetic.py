@@ -50,17 +50,21 @@ def produce(address: str, producer_id: str, num_groups: int, seed: int, deadline
     out: list[tuple[str, str, int]] = []
     end = time.monotonic() + deadline_s
     with BufferClient(address, actor_id=producer_id, reply_grace_s=10.0) as client:
+        ticket = None
         while len(out) < num_groups and time.monotonic() < end:
-            ticket = client.acquire_ticket(timeout_s=0.5)
             if ticket is None:
-                continue
+                ticket = client.acquire_ticket(timeout_s=0.5)
+                if ticket is None:
+                    continue
             version = int(client.version or 0)
             if gen_delay_s:
                 time.sleep(float(rng.uniform(0, gen_delay_s)))
             uid = f"{producer_id}-{len(out)}"
             group = synthetic_group(rng, prompt_uid=uid, version=version, n=n, min_tokens=tokens,
                                     max_tokens=tokens, actor_id=producer_id)
-            out.append((uid, client.push(group, ticket).status, version))
+            reply = client.push(group, ticket, want_ticket=len(out) + 1 < num_groups)
+            out.append((uid, reply.status, version))
+            ticket = reply.next_ticket if reply.next_ticket >= 0 else None
     return out
 
 

@@ -284,3 +284,27 @@ def test_ticket_request_waits_in_server_until_a_slot_frees() -> None:
     finally:
         client.close()
         server.stop()
+
+
+def test_next_ticket_rides_on_push_ack_and_leases_expire() -> None:
+    server, client = serve(max_staleness=0, batch_size=2, ticket_lease_s=0.3)
+    try:
+        t0 = client.acquire_ticket(0.1)
+        reply = client.push(small_group(0, "a"), t0, want_ticket=True)
+        assert reply.status == "stored" and reply.next_ticket == 1 and reply.version == 0
+        # limit (0+0+1)*2 = 2: buffered 1 + in flight 1 -> no third ticket, not even on an ack
+        assert client.push(small_group(0, "b"), want_ticket=True).next_ticket == -1
+        assert client.acquire_ticket(0.05) is None
+        client.get_batch(2, 0, 1.0)
+        client.set_version(1)  # limit 4: consumed 2 + in flight 1 (ticket 1, never pushed) -> 1 free
+        assert client.acquire_ticket(0.1) == 2
+        assert client.acquire_ticket(0.05) is None
+        time.sleep(0.4)  # tickets 1 and 2 (dead producers) expire: their slots come back
+        assert client.acquire_ticket(0.5) == 3
+        stats = client.stats()
+        assert stats["buffer/tickets_expired"] == 2 and stats["buffer/in_flight"] == 1
+        assert client.push(small_group(1, "late"), 1).status == "stored"  # a late push is kept
+        assert client.stats()["buffer/late_pushes"] == 1
+    finally:
+        client.close()
+        server.stop()
