@@ -12,7 +12,8 @@ masks and per-token versions; ~0.3 MB each). Measured in one run, each in its ow
   ticket riding on the push's acknowledgement (one round trip per group when tickets are free). Full runs add `buffer_4_pushers` (4 threads pushing concurrently in one
   producer process) and `buffer_2_producers` (two producer processes). Latency = delivery time - the group's created_at
   (set just before the push), so it includes time spent waiting in the buffer.
-`ratio` = buffer groups/s / bare groups/s. Also the encode and decode time of a 1 MB group.
+`ratio` = buffer groups/s / bare groups/s; MB/s counts the groups' array bytes (ids, masks,
+logprobs, versions), the same for every path. Also the encode and decode time of a 1 MB group.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from asyncrl.bench.common import print_table
 
 HWM = 64
+PAYLOAD_SEED = 1  # every path sends the same 8 groups, cycled
 PUSHERS = 4  # concurrent pushes per producer process (threads, each with its own DEALER socket)
 
 
@@ -45,7 +47,7 @@ def _bare_producer(address: str, n: int, seed: int, tokens: tuple[int, int], cod
 
     from asyncrl.protocol import encode
 
-    pool = _pool(seed, 8, *tokens)
+    pool = _pool(PAYLOAD_SEED, 8, *tokens)
     blobs = [encode(g) for g in pool]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -77,16 +79,17 @@ def _bare(n: int, seed: int, tokens: tuple[int, int], codec: bool) -> dict[str, 
     if not ready.wait(120):
         raise TimeoutError("bare producer did not start")
     time.sleep(0.2)  # connection established; the clock starts at `go`
+    sizes = [g.nbytes for g in _pool(PAYLOAD_SEED, 8, *tokens)]  # array bytes, as counted for the buffer
     latencies, nbytes = [], 0
     start = time.perf_counter()
     go.set()
-    for _ in range(n):
+    for i in range(n):
         if not sock.poll(60_000):
             raise TimeoutError("bare producer stalled")
         ts, payload = sock.recv_multipart(copy=False)
         if codec:
             decode(payload.buffer)
-        nbytes += len(payload)
+        nbytes += sizes[i % len(sizes)]
         latencies.append(time.time() - struct.unpack("<d", ts.bytes)[0])
     elapsed = time.perf_counter() - start
     proc.join(30)
@@ -115,7 +118,7 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
     from asyncrl.replay.client import BufferClient
     from asyncrl.replay.synthetic import restamp
 
-    pools = [_pool(seed * 100 + t, 4, *tokens) for t in range(threads)]
+    pools = [_pool(PAYLOAD_SEED, 8, *tokens) for _ in range(threads)]  # the same groups as the bare pair
     errors: list[BaseException] = []
 
     def pusher(t: int) -> None:
@@ -201,7 +204,7 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
 
 def _figures(n: int, nbytes: int, elapsed: float, latencies: list[float]) -> dict[str, float]:
     lat = np.asarray(latencies) * 1e3
-    return {"groups": n, "seconds": elapsed, "groups_per_s": n / elapsed, "mb_per_s": nbytes / 2**20 / elapsed,
+    return {"groups": n, "mb_per_group": nbytes / 2**20 / max(n, 1), "seconds": elapsed, "groups_per_s": n / elapsed, "mb_per_s": nbytes / 2**20 / elapsed,
             "latency_p50_ms": float(np.percentile(lat, 50)), "latency_p99_ms": float(np.percentile(lat, 99))}
 
 
