@@ -171,7 +171,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     tokens = 0
     pair_ratios = []
     for i, (b, micro) in enumerate(zip(batches[1:], micro_sets[1:])):
-        def timed_learner() -> float:
+        def timed_learner(b: list[Any] = b) -> float:
             sync()
             t0 = time.perf_counter()
             m = worker.train_step(b)
@@ -179,7 +179,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
             timed_learner.tokens = int(m["perf/train_tokens"])  # type: ignore[attr-defined]
             return time.perf_counter() - t0
 
-        def timed_bare() -> float:
+        def timed_bare(micro: list[Any] = micro) -> float:
             sync()
             t0 = time.perf_counter()
             _bare_step(model, opt, micro, cfg.rollout.temperature)

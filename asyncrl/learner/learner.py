@@ -43,11 +43,26 @@ import torch
 from asyncrl.config import Config, LearnerConfig
 from asyncrl.learner import checkpoint as ckpt
 from asyncrl.learner.advantages import compute_advantages, scores_to_token_rewards
-from asyncrl.learner.batching import (FlatBatch, MicroBatch, balance_into, collate, flatten_groups,
-                                      plan_micro_batches, shard_indices, split_mini_batches)
+from asyncrl.learner.batching import (
+    FlatBatch,
+    MicroBatch,
+    balance_into,
+    collate,
+    flatten_groups,
+    plan_micro_batches,
+    shard_indices,
+    split_mini_batches,
+)
 from asyncrl.learner.kl import apply_kl_penalty, make_kl_controller
-from asyncrl.learner.losses import (entropy_from_logits, finalize_metrics, logprobs_from_logits, policy_loss,
-                                    stack_metrics, sum_metrics, unstack_metrics)
+from asyncrl.learner.losses import (
+    entropy_from_logits,
+    finalize_metrics,
+    logprobs_from_logits,
+    policy_loss,
+    stack_metrics,
+    sum_metrics,
+    unstack_metrics,
+)
 
 __all__ = ["LearnerWorker", "build_ds_config", "lr_factor"]
 
@@ -269,14 +284,13 @@ class LearnerWorker:
         skipped = 0
         padded = micro = 0
         for _epoch in range(lc.ppo_epochs):
-            for rows, plan in zip(minis, plans):
+            for plan in plans:
                 my_rows = [i for mb_rows in plan for i in mb_rows]
                 tok, seqs = flat.response_mask[my_rows].sum(), (flat.response_mask[my_rows].sum(1) > 0).sum()
                 glob = self._all_reduce(torch.tensor([float(tok), float(seqs)], dtype=torch.float64))
                 g_tok, g_seq = max(float(glob[0]), 1.0), max(float(glob[1]), 1.0)
                 for mb_rows in plan:
                     mb = collate(flat, mb_rows, self.pad_id).to(self.device)
-                    idx, tm = mb.indices, mb.response_len
                     logits = self._forward_logits(self.engine, mb)
                     logp = logprobs_from_logits(logits, self._labels(mb), temp)
                     if lc.entropy_coef > 0:
@@ -285,17 +299,10 @@ class LearnerWorker:
                         with torch.no_grad():
                             entropy = entropy_from_logits(logits.detach(), temp)
 
-                    def rows_of(t: torch.Tensor | None) -> torch.Tensor | None:
-                        if t is None:
-                            return None
-                        if mb.is_dummy:
-                            return torch.zeros_like(mb.response_mask)
-                        return t[idx, :tm].to(self.device)
-
-                    prox = logp.detach() if reuse_prox and mode != "bypass" else rows_of(logp_prox)
+                    prox = logp.detach() if reuse_prox and mode != "bypass" else self._rows(logp_prox, mb)
                     loss, m = policy_loss(
-                        logp, prox, rows_of(flat.behaviour_logprobs), rows_of(advantages), mb.response_mask,
-                        lc, logp_ref=rows_of(logp_ref), entropy=entropy, kl_coef=self.kl_ctl.value,
+                        logp, prox, self._rows(flat.behaviour_logprobs, mb), self._rows(advantages, mb), mb.response_mask,
+                        lc, logp_ref=self._rows(logp_ref, mb), entropy=entropy, kl_coef=self.kl_ctl.value,
                         global_num_tokens=g_tok, global_num_seqs=g_seq, norm_length=norm_length)
                     if mb.is_dummy:
                         loss = loss * 0.0
@@ -347,6 +354,14 @@ class LearnerWorker:
             "perf/padding_frac": 1.0 - real_tokens * lc.ppo_epochs / max(float(counts[0]), 1.0),
         })
         return out
+
+    def _rows(self, t: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor | None:
+        """Rows of a [N, T] batch tensor for a micro-batch, on the device (zeros for a dummy)."""
+        if t is None:
+            return None
+        if mb.is_dummy:
+            return torch.zeros_like(mb.response_mask)
+        return t[mb.indices, : mb.response_len].to(self.device)
 
     def _optimizer_step(self) -> tuple[bool, float | None]:
         """engine.step() unless the global gradient is non-finite. Returns (applied, grad norm)."""

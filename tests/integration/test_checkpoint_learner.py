@@ -16,7 +16,6 @@ import json
 import uuid
 
 import pytest
-import torch
 
 from asyncrl.bench.learner import build_tiny_qwen2, synthetic_groups
 from asyncrl.config import load_config

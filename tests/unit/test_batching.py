@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.learner.batching import (balance_into, collate, flatten_groups, plan_micro_batches, shard_indices,
-                                      split_mini_batches)
+from asyncrl.learner.batching import (
+    balance_into,
+    collate,
+    flatten_groups,
+    plan_micro_batches,
+    shard_indices,
+    split_mini_batches,
+)
 from asyncrl.protocol import Group, Sample
 
 
