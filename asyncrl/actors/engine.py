@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -90,7 +90,10 @@ class PolicyEngine:
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, seed: int | None = None, *,
                        stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                       request_id: str | None = None) -> Generation:
+                       request_id: str | None = None,
+                       on_tokens: Callable[[int], None] | None = None) -> Generation:
+        """Sample one response. `on_tokens(n)` (optional) is called with the number of tokens
+        so far after every engine step that produced some (streaming progress)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -111,6 +114,8 @@ class PolicyEngine:
                 logprobs.append(float(chunk.logprobs[pos][tok].logprob))
             tokens.extend(new)
             versions.extend([self.version] * len(new))
+            if on_tokens is not None and new:
+                on_tokens(len(tokens))
             if chunk.finish_reason is not None:
                 finish = str(chunk.finish_reason)
         return Generation(tokens, logprobs, finish, versions)

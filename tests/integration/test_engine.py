@@ -189,3 +189,43 @@ def test_late_joiner_catches_up_from_weight_store(setup):
         assert diff < 1e-4 and all(set(g.versions) == {5} for g in gens)
     finally:
         ray.shutdown()
+
+
+def test_in_flight_update_stamps_both_versions(setup):
+    # A long request keeps running across an update (paused, kept, resumed): its early tokens
+    # carry the old version, its later ones the new, never interleaved.
+    from asyncrl.learner.weights import WeightSender
+
+    s = setup
+    old_v = s.engine.version
+    new = perturbed(s.hf, 0.05, seed=9)
+    sender = WeightSender(SimpleNamespace(bucket_mb=1.0, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
+                          members=s.engine.weight_member_ids())
+
+    async def go():
+        started = asyncio.Event()
+
+        def progress(n: int) -> None:
+            if n >= 20:
+                started.set()
+
+        longs = [asyncio.ensure_future(s.engine.generate(PROMPT, 240, 1.0, seed=11 + i, ignore_eos=True,
+                                                         on_tokens=progress)) for i in range(4)]
+        await asyncio.wait_for(started.wait(), 60)  # update once >= 20 tokens exist
+        t = threading.Thread(target=sender.broadcast, args=(new.named_parameters(), old_v + 1))
+        t.start()
+        res = await s.engine.update_weights_from_group(sender.address)
+        t.join(60)
+        return res, await asyncio.gather(*longs)
+
+    res, gens = s.lt.run(go())
+    assert res["status"] == "ok" and s.engine.version == old_v + 1
+    switches = []
+    for g in gens:
+        assert len(g.token_ids) == 240 and g.finish_reason == "length"
+        switch = g.versions.index(old_v + 1) if old_v + 1 in g.versions else len(g.versions)
+        assert g.versions == [old_v] * switch + [old_v + 1] * (len(g.versions) - switch)
+        switches.append(switch)
+    print(f"\nin-flight update: switched after {switches} of 240 tokens ({res['seconds']:.3f}s paused)")
+    assert any(0 < sw < 240 for sw in switches)
+    sender.close()
