@@ -47,7 +47,7 @@ from PIL import Image
 __all__ = [
     "PreparedImages", "load_image", "resize_image", "count_image_items", "align_images", "prepare_images",
     "encode_png", "decode_png", "image_hash", "images_from_wire", "collapse_placeholders", "expand_placeholders",
-    "vllm_prompt",
+    "vllm_prompt", "processor_prompt_ids", "vllm_mm_engine_kwargs",
 ]
 
 log = logging.getLogger(__name__)
@@ -238,3 +238,20 @@ def vllm_prompt(prompt_ids: Sequence[int], images: Sequence[Image.Image], image_
     if images:
         prompt["multi_modal_data"] = {"image": list(images)}
     return prompt
+
+
+def processor_prompt_ids(processor: Any, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image],
+                         **template_kwargs: Any) -> list[int]:
+    """Prompt ids of the first turn with the image pads expanded, as Guided-GRPO makes them (1.6):
+    the processor's chat template (generation prompt, not tokenized) run through the processor
+    with the prompt's final images. Pass these as `Conversation(..., prompt_ids=...)`."""
+    text = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                         **template_kwargs)
+    enc = processor(text=[text], images=list(images) or None, return_tensors="np")
+    return [int(t) for t in enc["input_ids"][0]]
+
+
+def vllm_mm_engine_kwargs(limit_images: int = 0, default_max_images: int = 4) -> dict[str, Any]:
+    """Extra vLLM engine arguments for a VL policy: images per prompt bounded by
+    `rollout.limit_images` (or `default_max_images`), no video (not implemented)."""
+    return {"limit_mm_per_prompt": {"image": limit_images if limit_images > 0 else default_max_images, "video": 0}}

@@ -94,6 +94,19 @@ def build(arch: str, out: Path, seed: int, vocab_size: int, scale: float = 4.0) 
                       fullatt_block_indexes=[1], tokens_per_second=2)
         cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
         model_cls, proc_cls = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    elif arch == "qwen3_vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+        text = dict(text, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+        text.pop("use_sliding_window")
+        for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+            text.pop(k)
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
+                      deepstack_visual_indexes=[0])
+        cfg = Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+        model_cls, proc_cls = Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     else:
         raise SystemExit(f"unknown --arch {arch}")
     cfg.dtype = "float32"
@@ -104,10 +117,17 @@ def build(arch: str, out: Path, seed: int, vocab_size: int, scale: float = 4.0) 
                 prm.mul_(scale)
     model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
                                                bos_token_id=ids["<|im_start|>"])
-    improc = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
-                                   temporal_patch_size=2)
-    vidproc = Qwen2VLVideoProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, merge_size=2,
-                                    temporal_patch_size=2)
+    patch = 16 if arch == "qwen3_vl" else 14
+    lo, hi = MIN_PIXELS * patch * patch // (14 * 14), MAX_PIXELS * patch * patch // (14 * 14)
+    improc = Qwen2VLImageProcessor(min_pixels=lo, max_pixels=hi, patch_size=patch, merge_size=2, temporal_patch_size=2)
+    if arch == "qwen3_vl":
+        from transformers import Qwen3VLVideoProcessor
+
+        vidproc = Qwen3VLVideoProcessor(size={"shortest_edge": lo, "longest_edge": hi}, patch_size=patch, merge_size=2,
+                                        temporal_patch_size=2)
+    else:
+        vidproc = Qwen2VLVideoProcessor(min_pixels=lo, max_pixels=hi, patch_size=patch, merge_size=2,
+                                        temporal_patch_size=2)
     processor = proc_cls(image_processor=improc, tokenizer=tok, video_processor=vidproc, chat_template=CHAT_TEMPLATE)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -120,7 +140,7 @@ def build(arch: str, out: Path, seed: int, vocab_size: int, scale: float = 4.0) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_vl")
+    p.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_vl")
     p.add_argument("--out", default="assets/tiny-vl-policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=400)

@@ -36,7 +36,7 @@ from torch import Tensor
 __all__ = [
     "ImageTokenMismatch", "VL_MODEL_TYPES", "is_vl_config", "load_vl_model", "load_vl_processor",
     "vision_module", "freeze_vision_tower", "vision_logit_bias", "mm_token_type_ids", "check_image_tokens",
-    "mrope_position_ids", "VLInputBuilder", "masked_logprobs", "vl_response_logprobs",
+    "mrope_position_ids", "VLInputBuilder", "masked_logprobs", "vl_response_logprobs", "group_row_images",
 ]
 
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -152,6 +152,24 @@ def mrope_position_ids(model: Any, input_ids: Tensor, attention_mask: Tensor, im
                                    attention_mask=attention_mask)
     text = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # == batching.collate's position_ids
     return torch.cat([text.unsqueeze(0), rope.to(text.dtype)], dim=0)
+
+
+def group_row_images(groups: Sequence[Any], key: str = "images") -> tuple[list[list[Any]], list[list[str]]]:
+    """Images and sha256s of every sample row, in `batching.flatten_groups` order. A group's images
+    (`Group.metadata[key]`, written by `vision.PreparedImages.to_wire`) are decoded once and shared
+    by its samples; hashes are verified. Text-only groups give empty lists."""
+    from asyncrl.vision import images_from_wire
+
+    imgs: list[list[Any]] = []
+    hashes: list[list[str]] = []
+    for g in groups:
+        entries = (getattr(g, "metadata", None) or {}).get(key) or []
+        decoded = images_from_wire(entries)
+        hs = [str(e["sha256"]) for e in entries]
+        for _ in g.samples:
+            imgs.append(decoded)
+            hashes.append(hs)
+    return imgs, hashes
 
 
 # ----------------------------------------------------------------------------------- batch builder

@@ -1,6 +1,6 @@
 """VL behaviour log-probs from vLLM (CPU build, fp32) == the learner's recompute with
 `asyncrl.learner.multimodal` (pixel_values, image_grid_thw, 4-row mRoPE position ids), for a
-tiny random Qwen2-VL (and Qwen2.5-VL, slow) -- the test that catches wrong position ids.
+tiny random Qwen2-VL (and Qwen2.5-VL, Qwen3-VL: slow) -- the test that catches wrong position ids.
 
 A real 2-turn guided conversation is driven by the asyncrl protocol (`Conversation`,
 `PolicyChat(processor)`, history=full): the prompt has TWO images of different sizes, the
@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = {"qwen2_vl": ROOT / "assets/tiny-vl-policy", "qwen2_5_vl": ROOT / "assets/tiny-vl-policy-2_5"}
+MODELS = {"qwen2_vl": ROOT / "assets/tiny-vl-policy", "qwen2_5_vl": ROOT / "assets/tiny-vl-policy-2_5",
+          "qwen3_vl": ROOT / "assets/tiny-vl-policy-3"}
 GUIDANCE = "Check the second number in the figure again."
 
 
@@ -41,7 +42,8 @@ def _figure(text: str, size: tuple[int, int]):
     return img
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def vl(request):
     from types import SimpleNamespace
 
@@ -72,14 +74,13 @@ def _conversation(vl):
     from vllm import SamplingParams
 
     from asyncrl.actors.guided import Conversation, GuideOptions, PolicyChat, run_conversation
-    from asyncrl.vision import prepare_images, vllm_prompt
+    from asyncrl.vision import prepare_images, processor_prompt_ids, vllm_prompt
 
     raw = [_figure("3 + 4", (112, 56)), _figure("x 5", (56, 84))]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compute it:"},
                                              {"type": "image"}, {"type": "text", "text": "Answer?"}]}]
     messages, prep = prepare_images(messages, raw, None, limit_images=0)
-    text = vl.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids = vl.processor(text=[text], images=prep.images, return_tensors="pt")["input_ids"][0].tolist()
+    prompt_ids = processor_prompt_ids(vl.processor, messages, prep.images)
     image_id = vl.model.config.image_token_id
     assert prompt_ids.count(image_id) > 2  # expanded: several tokens per image
 

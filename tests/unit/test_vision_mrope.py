@@ -90,27 +90,26 @@ def test_collated_micro_batch_equals_single_samples(tiny):
     from PIL import Image
 
     from asyncrl.learner.batching import collate, flatten_groups
-    from asyncrl.learner.multimodal import masked_logprobs, vl_response_logprobs
+    from asyncrl.learner.multimodal import group_row_images, masked_logprobs, vl_response_logprobs
     from asyncrl.protocol import Group, Sample
-    from asyncrl.vision import PreparedImages, images_from_wire
+    from asyncrl.vision import PreparedImages, processor_prompt_ids
 
     model, proc, builder = tiny
     rng = np.random.default_rng(0)
     figs = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in ((112, 56), (56, 84))]
-    groups, per_row = [], []
+    groups = []
     for k, (fig, q, resp) in enumerate(zip(figs, ["Compute it.", "What number is shown here?"],
                                             [[30, 31, 32, 2], [40, 41, 2]])):
         prep = PreparedImages.from_images([fig])
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
-        text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        ids = proc(text=[text], images=prep.images, return_tensors="pt")["input_ids"][0].numpy()
+        ids = processor_prompt_ids(proc, msgs, prep.images)
         s = Sample(f"p{k}/0", f"p{k}", ids, resp, [1] * len(resp), [-1.0] * len(resp), [0] * len(resp))
         groups.append(Group.from_samples([s], metadata={"images": prep.to_wire()}))
     flat = flatten_groups(groups)
     assert flat.prompt_lengths[0] != flat.prompt_lengths[1]  # the shorter prompt is left-padded
     mb = collate(flat, [0, 1], pad_id=proc.tokenizer.pad_token_id)
-    per_row = [images_from_wire(g.metadata["images"]) for g in groups]
-    hashes = [[e["sha256"] for e in g.metadata["images"]] for g in groups]
+    per_row, hashes = group_row_images(groups)
+    assert [len(r) for r in per_row] == [1, 1] and per_row[0][0].size == (112, 56)
     extra = builder.forward_kwargs(mb.input_ids, mb.attention_mask, per_row, hashes)
     assert extra["position_ids"].shape == (4, 2, mb.input_ids.shape[1])
     assert torch.equal(extra["position_ids"][0], mb.position_ids)  # row 0 == collate's text positions
