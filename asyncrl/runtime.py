@@ -49,6 +49,7 @@ def step_timer(what: str):
 
 # ------------------------------------------------------------------------------------- run dir
 def prepare_run_dir(cfg: Config) -> Path:
+    cfg.trainer.run_dir = str(Path(cfg.trainer.run_dir).resolve())  # actors may run in another cwd
     run_dir = cfg.run_path
     for sub in ("checkpoints", "samples", "plots"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -85,6 +86,7 @@ class Topology:
     actors: dict[str, Any] = field(default_factory=dict)
     actor_cls: Any = None
     next_actor_index: int = 0
+    weight_address: str = ""
 
     def shutdown(self) -> None:
         import ray
@@ -98,18 +100,25 @@ class Topology:
         self.actors.clear()
         if self.learner is not None:
             self.learner.shutdown()
+            self.learner = None
         if self.verifier is not None:
             try:
                 from ray import serve
 
                 serve.shutdown()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - tearing down
                 pass
+            self.verifier = None
         if self.buffer is not None:
             try:
                 ray.get(self.buffer.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - tearing down
                 pass
+            ray.kill(self.buffer)
+            self.buffer = None
+        if self.coordinator is not None:
+            ray.kill(self.coordinator)
+            self.coordinator = None
 
 
 def ray_init(cfg: Config, namespace: str) -> None:
@@ -118,6 +127,7 @@ def ray_init(cfg: Config, namespace: str) -> None:
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE":
                         os.environ.get("HF_HUB_OFFLINE", "1"), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
                         "VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.rollout.cpu_kvcache_gb))),
+                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                         "PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
     if cfg.cluster.ray_address:
         try:
@@ -139,7 +149,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     from asyncrl.data import load_rows
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.replay.host import BufferHost
-    from asyncrl.serve.deploy import deploy_verifier
+    from asyncrl.serve.deploy import deploy_verifier, shutdown_verifier  # noqa: F401
 
     namespace = ray.get_runtime_context().namespace
     topo = Topology(cfg, run_dir, namespace)
@@ -157,8 +167,10 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         with step_timer("replay buffer"):
             topo.buffer = BufferHost.options(num_cpus=0).remote(cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size)
             topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
-            if resume and (resume / "buffer").exists():
-                ray.get(topo.buffer.restore.remote(str(resume / "buffer")), timeout=timeout)
+            snap = resume / "buffer" / "groups.snapshot" if resume else None
+            if snap is not None and snap.exists():
+                restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
+                say(f"  buffer restored from {snap}: {restored} group(s)")
         with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
             topo.verifier = deploy_verifier(cfg)
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
@@ -168,13 +180,14 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             version = topo.learner.version
             ray.get(topo.coordinator.set_version.remote(version))
             ray.get(topo.buffer.set_version.remote(version))
-        with step_timer("weight store (initial weights)"):
-            topo.learner.publish_to_store()
+        with step_timer("weight sender (learner rank 0)"):
+            topo.weight_address = topo.learner.start_weight_sender(port=0, publish=True)
         with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
             topo.actor_cls = make_rollout_actor_class(cfg)
             start_actors(topo, cfg.rollout.num_actors, timeout)
-        with step_timer("weight group"):
-            topo.learner.rebuild_weight_group(list(topo.actors.items()))
+        if version > 0:
+            with step_timer(f"weight group (resumed at v{version}: first broadcast)"):
+                sync_weights(topo)
     except BaseException:
         topo.shutdown()
         raise
@@ -182,6 +195,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
 
 
 def start_actors(topo: Topology, count: int, timeout: float) -> list[str]:
+    """Start `count` new rollout actors (engines up) and enrol them in the weight group."""
     import ray
 
     new = {}
@@ -194,7 +208,41 @@ def start_actors(topo: Topology, count: int, timeout: float) -> list[str]:
     for report in reports:
         say(f"  {report['actor_id']}: engine up in {report['start_s']:.1f}s (weights v{report['version']})")
     topo.actors.update(new)
+    enrol(topo, list(new))
     return list(new)
+
+
+def enrol(topo: Topology, actor_ids: list[str], *, remove_first: bool = False) -> None:
+    """(Re-)enrol actors in the weight group; the group is rebuilt at the next broadcast."""
+    import ray
+
+    members = [m for aid in actor_ids for m in ray.get(topo.actors[aid].weight_members.remote())]
+    if remove_first:
+        topo.learner.weight_sender("remove_receivers", members)
+    topo.learner.weight_sender("add_receivers", members)
+
+
+def withdraw(topo: Topology, actor_ids: list[str]) -> None:
+    members = [f"{aid}/tp{r}" for aid in actor_ids for r in range(max(1, topo.cfg.rollout.gpus_per_actor))]
+    topo.learner.weight_sender("remove_receivers", members)
+
+
+def sync_weights(topo: Topology) -> dict[str, Any]:
+    """One broadcast of the learner's current version to every engine: the actors join the round
+    (or catch up from the weight store if they are not members), rank 0 sends bucket by bucket
+    under the watchdog. Returns the sender's report plus each actor's result."""
+    import ray
+
+    refs = {aid: a.receive_weights.remote(topo.weight_address) for aid, a in topo.actors.items()}
+    report = topo.learner.broadcast_weights()
+    results: dict[str, Any] = {}
+    wait = 4 * topo.cfg.learner.weights.timeout_s + 30
+    for aid, ref in refs.items():
+        try:
+            results[aid] = ray.get(ref, timeout=wait)
+        except Exception as exc:  # noqa: BLE001 - a dead actor is healed by the trainer
+            results[aid] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    return {"report": report, "actors": results, "dropped": report.get("dropped", []) if report else []}
 
 
 # ------------------------------------------------------------------------------------- signals

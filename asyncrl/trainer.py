@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncrl.config import Config, VerifierConfig
 from asyncrl.metrics import MetricLogger, format_console, save_plots
-from asyncrl.runtime import StopFlag, Topology, say, start_actors
+from asyncrl.runtime import StopFlag, Topology, enrol, say, start_actors, sync_weights, withdraw
 
 EVAL_KEYS = ("guided_accuracy", "solver_accuracy", "mean_turns", "mean_policy_tokens", "mean_verifier_tokens",
              "format_rate", "hallucination_score")
@@ -35,8 +35,13 @@ class Trainer:
                                    cfg.trainer.experiment_name, cfg.model_dump(mode="json"))
         self.loops: dict[str, Any] = {}
         self.version = topo.learner.version
-        self.step = topo.learner.step
+        self.step = topo.learner.version  # one learner step = one policy version
+        if resume is not None and (resume / "run_state.json").exists():
+            self.step = int(json.loads((resume / "run_state.json").read_text())["step"])
         self.summary: dict[str, Any] = {}
+        from asyncrl.replay import BufferClient
+
+        self.buffer_client = BufferClient(topo.buffer_address, actor_id="learner")
         self.t_start = time.time()
         self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
 
@@ -92,32 +97,42 @@ class Trainer:
 
         cfg, topo = self.cfg, self.topo
         t0 = time.time()
-        learner_metrics = topo.learner.step_from_buffer(topo.buffer_address, cfg.data.rollout_batch_size,
-                                                        timeout_s=cfg.learner.batch_timeout_s)
+        groups = self.buffer_client.get_batch(cfg.data.rollout_batch_size, self.version,
+                                              timeout_s=cfg.learner.batch_timeout_s)
+        t_batch = time.time()
+        lags = [self.version - g.min_version for g in groups]
+        learner_metrics = topo.learner.step(groups)
         t1 = time.time()
-        self.version = learner_metrics.get("train/version", self.version + 1)
-        sync = topo.learner.sync_weights(topo.actors, self.version)
+        self.version = int(learner_metrics.get("train/version", self.version + 1))
+        sync = sync_weights(topo)
         t2 = time.time()
-        ray.get([topo.coordinator.set_version.remote(self.version)])
-        wait_s = learner_metrics.get("perf/batch_wait_s", 0.0)
+        ray.get(topo.coordinator.set_version.remote(self.version))
+        wait_s = t_batch - t0
         step_s = t2 - t0
+        tokens = int(sum(int(s.response_mask.sum()) for g in groups for s in g.samples))
         self.totals["learner_wait_s"] += wait_s
-        self.totals["train_s"] += (t1 - t0) - wait_s
+        self.totals["train_s"] += t1 - t_batch
         self.totals["sync_s"] += t2 - t1
-        self.totals["trained_tokens"] += learner_metrics.get("perf/train_tokens", 0)
+        self.totals["trained_tokens"] += tokens
         metrics = dict(learner_metrics)
         metrics.update(ray.get(topo.buffer.stats.remote()))
         metrics.update(self._rollout_stats())
+        metrics.update(_batch_metrics(groups, lags, cfg.buffer.max_staleness))
+        report = sync.get("report") or {}
         metrics.update({
             "perf/step_s": step_s,
+            "perf/batch_wait_s": wait_s,
+            "perf/train_s": t1 - t_batch,
             "perf/weight_sync_s": t2 - t1,
+            "perf/weight_broadcast_s": float(report.get("seconds", 0.0)),
             "perf/learner_idle_ratio": min(1.0, wait_s / max(step_s, 1e-9)),
-            "perf/tokens_per_s": learner_metrics.get("perf/train_tokens", 0) / max(step_s, 1e-9),
+            "perf/train_tokens": tokens,
+            "perf/tokens_per_s": tokens / max(step_s, 1e-9),
             "perf/rollout_actors": len(topo.actors),
             "perf/weight_sync_dropped": len(sync.get("dropped", [])),
-            "verifier/version": 0.0,
         })
-        metrics.pop("verifier/version", None)
+        for aid in sync.get("dropped", []):
+            say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")
         return metrics
 
     def _rollout_stats(self) -> dict[str, Any]:
@@ -189,7 +204,8 @@ class Trainer:
                 ray.kill(self.topo.actors.pop(aid), no_restart=True)
                 changed = True
         if changed:
-            self.topo.learner.rebuild_weight_group(list(self.topo.actors.items()))
+            live = [a for a in self.loops if a in self.topo.actors]
+            enrol(self.topo, live, remove_first=True)
 
     # ------------------------------------------------------------------ ctl commands
     def handle_commands(self) -> None:
@@ -209,9 +225,9 @@ class Trainer:
             added = start_actors(self.topo, n - len(current), self.cfg.cluster.startup_timeout_s)
             for aid in added:
                 self._start_loop(aid)
-            self.topo.learner.rebuild_weight_group(list(self.topo.actors.items()))
             return {"ok": True, "added": added, "actors": sorted(self.topo.actors)}
         removed = current[n:]
+        withdraw(self.topo, removed)
         self._stop_loops(removed)
         import ray
 
@@ -224,7 +240,6 @@ class Trainer:
                 pass
             ray.kill(actor, no_restart=True)
             ray.get(self.topo.coordinator.drop_actor_stats.remote(aid))
-        self.topo.learner.rebuild_weight_group(list(self.topo.actors.items()))
         return {"ok": True, "removed": removed, "actors": sorted(self.topo.actors)}
 
     def cmd_swap_verifier(self, verifier: dict[str, Any]) -> dict[str, Any]:
@@ -254,38 +269,48 @@ class Trainer:
         topo = self.topo
 
         def extra(staging: Path) -> None:
-            ray.get(topo.buffer.snapshot.remote(str(staging / "buffer")))
+            (staging / "buffer").mkdir(exist_ok=True)
+            ray.get(topo.buffer.snapshot.remote(str((staging / "buffer" / "groups.snapshot").resolve())))
             cursor = ray.get(topo.coordinator.cursor_state.remote())
             (staging / "data_cursor.json").write_text(json.dumps(cursor))
             (staging / "run_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
                                                                 "actors": len(topo.actors)}))
 
         t0 = time.time()
-        path = topo.learner.save_checkpoint(self.run_dir / "checkpoints", self.step, extra, self.cfg.trainer.save_limit)
+        path = topo.learner.save_checkpoint(self.step, extra)
         say(f"checkpoint {path} ({time.time() - t0:.1f}s)")
         return Path(path)
 
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
+        """Greedy evaluation on the actors' engines (current weights), rows split over the actors;
+        the result has the layout of `python -m asyncrl.eval --output` (asyncrl.eval.combine)."""
         import ray
 
-        from asyncrl.data import iter_items, load_rows
+        from asyncrl.data import load_rows
+        from asyncrl.eval import combine
 
         files = self.cfg.data.test_files if split == "test" else self.cfg.data.val_files
-        rows = [it.to_dict() for it in iter_items(load_rows(files, self.cfg.data), self.cfg.data, name=split,
-                                                   limit=self.cfg.trainer.eval_limit)]
+        rows = load_rows(files, self.cfg.data)
+        if self.cfg.trainer.eval_limit:
+            rows = rows[: self.cfg.trainer.eval_limit]
+        if self.cfg.data.prompt_key != "problem":
+            rows = [{**r, "problem": r[self.cfg.data.prompt_key], "answer": r[self.cfg.data.answer_key]} for r in rows]
         actors = list(self.topo.actors.values())
         t0 = time.time()
-        # Split the rows over the actors' engines (they already hold the current weights).
         shards = [rows[i:: len(actors)] for i in range(len(actors))]
         parts = ray.get([a.evaluate.remote(s, "both") for a, s in zip(actors, shards) if s])
-        result = _merge_eval(parts)
+        if "service" in parts[0]:
+            result = _merge_eval([p["service"] for p in parts])
+        else:
+            result = combine({m: _merge_mode([p[m] for p in parts]) for m in parts[0]})
         result["seconds"] = time.time() - t0
         result["version"] = self.version
+        result["rows"] = len(rows)
         (self.run_dir / "samples").mkdir(exist_ok=True)
-        samples = [s for p in parts for s in p.get("samples", [])][: self.cfg.trainer.samples_per_eval]
-        (self.run_dir / "samples" / f"{tag}.json").write_text(json.dumps(samples, indent=2))
-        say(f"eval {tag}: " + ", ".join(f"{k} {result[k]:.3f}" for k in EVAL_KEYS if k in result))
-        return {k: v for k, v in result.items() if k != "samples"}
+        (self.run_dir / "samples" / f"eval_{tag}.json").write_text(json.dumps(result, indent=2, default=str))
+        say(f"eval {tag} (v{self.version}, {len(rows)} rows, {result['seconds']:.0f}s): "
+            + ", ".join(f"{k} {result[k]:.3f}" for k in EVAL_KEYS if isinstance(result.get(k), float)))
+        return result
 
     def finish(self) -> None:
         wall = time.time() - self.t_start
@@ -312,6 +337,48 @@ class Trainer:
         print_summary(self.summary)
 
 
+def _batch_metrics(groups: list[Any], lags: list[int], max_staleness: int) -> dict[str, Any]:
+    """What the learner trained on this step: rewards by part, staleness of its groups."""
+    samples = [s for g in groups for s in g.samples]
+    out: dict[str, Any] = {"train/groups": len(groups), "train/samples": len(samples)}
+    if not samples:
+        return out
+    parts: dict[str, list[float]] = {}
+    for s in samples:
+        for k, v in s.reward_parts.items():
+            parts.setdefault(k, []).append(float(v))
+    for k, vs in parts.items():
+        out[f"reward/{k}"] = sum(vs) / len(vs)
+    out["train/reward_mean"] = sum(s.reward for s in samples) / len(samples)
+    out["train/turns_mean"] = sum(s.num_turns for s in samples) / len(samples)
+    hist = [0] * (max(max(lags, default=0), max_staleness) + 1)
+    for lag in lags:
+        hist[lag] += 1
+    out["buffer/staleness_hist"] = hist
+    out["buffer/staleness_mean"] = sum(lags) / max(len(lags), 1)
+    out["buffer/staleness_max"] = max(lags, default=0)
+    versions = sorted({s.verifier_version for s in samples})
+    out["verifier/versions_in_batch"] = ",".join(versions)
+    return out
+
+
+def _merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge per-shard summaries of one eval mode (numbers weighted by each shard's `n`)."""
+    n = sum(p.get("n", 0) for p in parts)
+    out: dict[str, Any] = {"mode": parts[0].get("mode"), "n": n}
+    for key, value in parts[0].items():
+        if key in out or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        out[key] = sum(p.get(key, 0.0) * p.get("n", 0) for p in parts) / max(n, 1)
+    reasons: dict[str, int] = {}
+    for p in parts:
+        for r, c in (p.get("finish_reasons") or {}).items():
+            reasons[r] = reasons.get(r, 0) + c
+    out["finish_reasons"] = reasons
+    out["wall_s"] = max(p.get("wall_s", 0.0) for p in parts)
+    return out
+
+
 def _merge_eval(parts: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(p.get("num_rows", 0) for p in parts) or 1
     out: dict[str, Any] = {"num_rows": total}
@@ -335,7 +402,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     lines.append(f"steps {summary.get('steps')}  wall {summary.get('wall_s', 0):.0f}s  trained tokens/s "
                  f"{summary.get('trained_tokens_per_s', 0):.0f}  weight sync {summary.get('weight_sync_s', 0):.1f}s")
     if summary.get("staleness_hist"):
-        lines.append(f"staleness of trained groups (lag: count): "
+        lines.append("staleness of trained groups (lag: count): "
                      + ", ".join(f"{i}: {c}" for i, c in enumerate(summary["staleness_hist"])))
     lines.append("=" * 64)
     print("\n".join(lines), flush=True)

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from asyncrl.actors.guided import (
-    GroupDropped,
     GuideOptions,
     PolicyChat,
     build_training_sample,
@@ -36,7 +35,11 @@ def make_generate(cfg: Config, engine: Any, *, overrides: dict[str, Any] | None 
     sampling.update({k: v for k, v in (overrides or {}).items() if k in sampling})
 
     async def generate(prompt_ids: list[int], seed: int | None):
-        return await engine.generate(prompt_ids, seed=seed, **sampling)
+        g = await engine.generate(prompt_ids, seed=seed, **sampling)
+        # One version per turn: the oldest that sampled any of its tokens (an in-flight update can
+        # land mid-turn; the older version is the conservative one for the staleness bound).
+        version = min(g.versions) if g.versions else engine.version
+        return g.token_ids, g.logprobs, version, g.finish_reason
 
     return generate
 
@@ -57,11 +60,10 @@ def guide_options(cfg: Config, training: bool) -> GuideOptions:
                                     **({} if cfg.rollout.guide.enable else {"max_turns": 1}))
 
 
-async def run_guided_group(cfg: Config, prompt: dict[str, Any], engine: Any, verifier: Any, *,
+async def run_guided_group(cfg: Config, prompt: dict[str, Any], engine: Any, verifier: Any, *, chat: PolicyChat,
                            training: bool = True, n: int | None = None,
                            sampling_overrides: dict[str, Any] | None = None) -> list[Any]:
     """The `n` conversations of one prompt, run concurrently; raises GroupDropped under drop_group."""
-    chat = engine.chat if hasattr(engine, "chat") else PolicyChat(engine.tokenizer)
     convs = make_group(prompt["messages"], chat=chat, options=guide_options(cfg, training), n=n or cfg.rollout.n,
                        ground_truth=prompt.get("ground_truth"), base_seed=cfg.rollout.seed,
                        prompt_index=int(prompt.get("index", 0)), prompt_uid=str(prompt.get("uid", "")))
@@ -124,8 +126,8 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, verifier: Any, *, mode: str = "both",
-                        max_concurrency: int = 32) -> dict[str, Any]:
+async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, verifier: Any, *, chat: PolicyChat,
+                        mode: str = "both", max_concurrency: int = 32) -> dict[str, Any]:
     """Greedy evaluation (rollout.val_override_config) of `rows` (PromptItem-like dicts with
     `messages` and `ground_truth`): guided (verifier in the loop, no reference unless
     verifier_sees_reference=always) and/or solver-only (one turn, no verifier)."""
@@ -139,7 +141,7 @@ async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, ve
         async with sem:
             c = cfg if guided else cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
                 "guide": cfg.rollout.guide.model_copy(update={"enable": False})})})
-            convs = await run_guided_group(c, row, engine, verifier, training=False, n=1,
+            convs = await run_guided_group(c, row, engine, verifier, chat=chat, training=False, n=1,
                                            sampling_overrides=overrides)
             conv = convs[0]
             correct = grade_final_answer(conv.final_text, row.get("ground_truth"))

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -61,23 +60,34 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- start-up
     async def start(self) -> dict[str, Any]:
+        """Build the engine (from `model.path`, i.e. version 0), the verifier client and the reward
+        function; a restarted or late actor then loads the newest published weights."""
         import ray
+        from transformers import AutoTokenizer
 
         from asyncrl.actors.engine import PolicyEngine
+        from asyncrl.actors.guided import PolicyChat
         from asyncrl.replay import BufferClient
         from asyncrl.rewards import load_reward
         from asyncrl.serve.client import VerifierClient
 
         t0 = time.time()
+        cfg = self.cfg
+        if self.engine is not None:  # start() again on a live actor (after a failed loop)
+            self.engine.shutdown()
         self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
-        self.buffer = BufferClient(self.buffer_address)
-        self.engine = await PolicyEngine.create(self.cfg, actor_id=self.actor_id)
-        self.verifier = VerifierClient(self.cfg.verifier, app_name="verifier")
-        self.reward_fn = load_reward(self.cfg.reward)
-        self.tokenizer = self.engine.tokenizer
+        self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
+                                   actor_id=self.actor_id)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        self.chat = PolicyChat(self.tokenizer)
+        self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
+                                   tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
+                                   weight_bucket_mb=cfg.learner.weights.bucket_mb)
+        self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
+        self.reward_fn = load_reward(cfg.reward)
         state = await self.coordinator.get_state.remote()
-        if state["version"] > 0:  # restarted or late joiner: newest weights first
-            await self.engine.load_weights_from_store(state["version"], namespace=self.namespace)
+        if state["version"] > 0:  # restarted or late joiner: newest weights before generating
+            await self.engine.load_weights_from_store(min_version=0)
         return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version}
 
     # ---------------------------------------------------------------- main loop
@@ -138,7 +148,8 @@ class RolloutWorker:
         pushed = False
         try:
             try:
-                convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, training=True)
+                convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
+                                               training=True)
             except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
                 self._stats["groups_dropped_verifier_error"] += 1
                 await self._zmq_call(self.buffer.release_ticket, ticket)
@@ -179,36 +190,63 @@ class RolloutWorker:
             self._unique.append(len(texts) / len(group.samples))
 
     # ---------------------------------------------------------------- weights
-    async def receive_weights(self, plan: dict[str, Any]) -> dict[str, Any]:
-        """Join one broadcast from learner rank 0 (plan made by the sender) and load it."""
+    def weight_members(self) -> list[str]:
+        """This engine's member ids in the weight group (one per tensor-parallel rank)."""
+        return self.engine.weight_member_ids(self.actor_id)
+
+    async def receive_weights(self, address: str) -> dict[str, Any]:
+        """Take part in the learner's broadcast (sender at `address`). A member that was dropped
+        (watchdog) or is new gets "not_member": it catches up from the weight store instead and is
+        in the group from the next broadcast on."""
         t0 = time.time()
         if self.cfg.rollout.weight_update_mode == "between_groups" and self._tasks:
-            return {"actor_id": self.actor_id, "skipped": True}
-        report = await self.engine.update_weights_from_group(plan)
+            asyncio.create_task(self.catch_up())  # safe point: after the running groups
+            return {"actor_id": self.actor_id, "status": "deferred"}
+        report = await self.engine.update_weights_from_group(address, member_prefix=self.actor_id)
+        if report.get("status") != "ok":
+            report["catch_up"] = await self.engine.load_weights_from_store()
         self._weight_update_s += time.time() - t0
-        return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0, **report}
+        return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0,
+                "status": report.get("status"), "catch_up": report.get("catch_up")}
 
-    async def catch_up(self, version: int) -> dict[str, Any]:
-        """Fetch `version` from the weight store (dropped by the watchdog, between_groups, late join)."""
+    async def catch_up(self) -> dict[str, Any]:
+        """Load the newest weights from the store (between_groups, dropped members, late joiners)."""
         t0 = time.time()
         if self.cfg.rollout.weight_update_mode == "between_groups":
             self._paused_for_weights = True
             await self._drain(abandon=False, timeout_s=600)
         try:
-            await self.engine.load_weights_from_store(version, namespace=self.namespace)
+            report = await self.engine.load_weights_from_store()
         finally:
             self._paused_for_weights = False
         self._weight_update_s += time.time() - t0
-        return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0}
+        return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0, **report}
 
     def version(self) -> int:
         return self.engine.version if self.engine is not None else -1
 
     # ---------------------------------------------------------------- evaluation and stats
-    async def evaluate(self, rows: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    async def evaluate(self, rows: list[dict[str, Any]], mode: str = "both") -> dict[str, Any]:
+        """Greedy evaluation with this actor's engine (current weights). With the rule back-end this
+        is exactly `python -m asyncrl.eval` (asyncrl.eval.evaluate_async); otherwise the guided
+        protocol runs against the verifier service. Returns per-mode summaries (mergeable by `n`)."""
+        if self.cfg.verifier.backend == "rule":
+            from asyncrl.actors.group import make_generate
+            from asyncrl.eval import evaluate_async
+
+            generate = make_generate(self.cfg, self.engine, overrides=dict(self.cfg.rollout.val_override_config))
+            modes = ["guided", "solver"] if mode == "both" else [mode]
+            out = {}
+            for m in modes:
+                t0 = time.time()
+                out[m] = await evaluate_async(generate, self.tokenizer, rows, m, task=self.cfg.verifier.task,
+                                              max_turns=self.cfg.rollout.guide.max_turns,
+                                              max_prompt_length=self.cfg.data.max_prompt_length)
+                out[m]["wall_s"] = time.time() - t0
+            return out
         from asyncrl.actors.group import evaluate_rows
 
-        return await evaluate_rows(self.cfg, rows, self.engine, self.verifier, mode=mode)
+        return {"service": await evaluate_rows(self.cfg, rows, self.engine, self.verifier, chat=self.chat, mode=mode)}
 
     def stats(self) -> dict[str, Any]:
         """Rollout metrics since the previous call (rates) and over recent groups (means)."""
@@ -235,7 +273,7 @@ class RolloutWorker:
         for reason, count in self._finish.items():
             out[f"rollout/finish_reason/{reason}"] = count / total
         if self.verifier is not None:
-            out.update(self.verifier.metrics())
+            out.update(self.verifier.metrics(reset=True))
         self._stats["groups_pushed"] = 0
         self._policy_tokens = 0
         self._idle_s = 0.0
@@ -250,7 +288,7 @@ class RolloutWorker:
         self._running = False
         await self._drain(abandon=True, timeout_s=5)
         if self.engine is not None:
-            await self.engine.shutdown()
+            self.engine.shutdown()
         self._zmq.shutdown(wait=False)
 
 

@@ -112,7 +112,7 @@ def _sim_host_class():
                     tokens = self.n * m["tokens_per_sample"]
                     await asyncio.sleep(self.scale * (m["gen_overhead_s"] + tokens / m["gen_tokens_per_s"]))
                     group = _make_group(self.n, m, version, f"{index}-{self.counts['groups']}")
-                    await loop.run_in_executor(None, lambda: client.push(group, ticket))
+                    await loop.run_in_executor(None, lambda g=group, t=ticket: client.push(g, t))
                     self.counts["groups"] += 1
                     self.counts["busy_s"] += time.time() - t1
             finally:
