@@ -197,7 +197,9 @@ class BufferClient:
             if not isinstance(g, Group):
                 raise ProtocolError(f"batch reply carried a {type(g).__name__}")
             out.append(g)
-        return out
+        extra = self._stash[: num_groups - len(out)]  # late replies that arrived during this request
+        del self._stash[: len(extra)]
+        return out + extra
 
     def set_version(self, version: int) -> None:
         self._request(SetVersion(int(version)))

@@ -24,6 +24,7 @@ import zmq.auth
 
 from asyncrl.config import BufferConfig, CurveConfig
 from asyncrl.protocol import (
+    BatchReply,
     ErrorReply,
     Push,
     PushReply,
@@ -308,3 +309,35 @@ def test_next_ticket_rides_on_push_ack_and_leases_expire() -> None:
     finally:
         client.close()
         server.stop()
+
+
+def test_batch_reply_arriving_after_timeout_is_not_lost() -> None:
+    """A real ZeroMQ peer speaking the protocol answers the first batch request too late; the
+    client times out, keeps the late groups, and returns them with the next batch."""
+    group = small_group(0, "late-group")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def slow_server() -> None:
+        ident, rid, _ = router.recv_multipart()
+        time.sleep(0.6)  # past the client's deadline (0.1 s timeout + 0.2 s grace)
+        router.send_multipart([ident, rid, encode(BatchReply(1, 0, 0)), encode(group)])
+        ident, rid, _ = router.recv_multipart()
+        router.send_multipart([ident, rid, encode(BatchReply(0, 0, 0))])
+
+    thread = threading.Thread(target=slow_server)
+    thread.start()
+    client = BufferClient(address, reply_grace_s=0.2)
+    try:
+        with pytest.raises(BufferTimeout):
+            client.get_batch(1, 0, timeout_s=0.1)
+        time.sleep(0.6)
+        got = client.get_batch(1, 0, timeout_s=0.1)
+        assert [g.prompt_uid for g in got] == ["late-group"]
+    finally:
+        thread.join(5)
+        client.close()
+        router.close()
+        ctx.term()
