@@ -16,6 +16,18 @@ Guarantees:
   their KV cache across an update (as PipelineRL/SkyRL); their later tokens carry the new version.
 - CPU build here (fp32 unless configured, KV cache `rollout.cpu_kvcache_gb` GiB); CUDA build on
   GPUs with tensor parallel = `rollout.gpus_per_actor`.
+How a rollout actor uses it (the learner's `WeightSender.broadcast` runs concurrently):
+    if await engine.announced_version(addr) > engine.version:          # cheap store read
+        res = await engine.update_weights_from_group(addr)              # joins/rejoins itself
+        if res["status"] != "ok":                                       # dropped/late/failed
+            await engine.load_weights_from_store()                      # WeightStore copy
+A restarted actor calls `load_weights_from_store()` before generating. Member ids for the
+sender (`WeightSender(..., members=...)` / `add_receivers`) come from `weight_member_ids()`;
+a member the sender does not know yet asks to join by itself on its first update call.
+
+vLLM's native weight-transfer API (`WeightTransferConfig`, `update_weights`) is not used yet: it
+has no CPU/gloo engine in 0.32; the worker-extension path below is the one tested here.
+
 Departure from Guided-GRPO (EasyR1): the original samples `n` copies of a request with one
 seed, the source of its seed collapse; here every sample is its own request with its own seed.
 """
@@ -32,6 +44,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from asyncrl.actors.weight_receiver import announced_version
 from asyncrl.learner.weights import WeightSender, WeightsInput, fetch_weights
 
 log = logging.getLogger(__name__)
@@ -60,7 +73,7 @@ class PolicyEngine:
                  max_model_len: int | None = None, seed: int = 0, tokenizer_path: str | None = None,
                  weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
                  store_name: str = "WeightStore", logprobs_mode: str = "processed_logprobs",
-                 version: int = 0) -> None:
+                 version: int = 0, weight_buffered: bool | None = None) -> None:
         import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -72,6 +85,10 @@ class PolicyEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.cpu_kvcache_gb))))
         dtype = cfg.dtype if cfg.dtype != "auto" else ("auto" if self.on_gpu else "float32")
         self.version = version
+        # all buckets before loading (a failed round leaves the weights untouched) on CPU; on
+        # GPUs stream bucket by bucket (no second copy of the model in GPU memory), so a failed
+        # round there must be followed by `load_weights_from_store`.
+        self.weight_buffered = not self.on_gpu if weight_buffered is None else weight_buffered
         self.weight_timeout_s = weight_timeout_s
         self.weight_bucket_mb = weight_bucket_mb
         self.store_name = store_name
@@ -151,13 +168,17 @@ class PolicyEngine:
         async def load() -> dict[str, Any]:
             results = await self.llm.collective_rpc(
                 "asyncrl_receive_weights", timeout=4 * timeout + 30,
-                args=(address, member_prefix or self.engine_id, timeout))
+                args=(address, member_prefix or self.engine_id, timeout, self.weight_buffered))
             bad = [r for r in results if r["status"] != "ok"]
             out = dict(bad[0] if bad else results[0])
             out["workers"] = results
             return out
 
         return await self._paused(load)
+
+    async def announced_version(self, address: str) -> int:
+        """Newest version the learner's sender at `address` has started to broadcast."""
+        return await asyncio.to_thread(announced_version, address, self.weight_timeout_s)
 
     async def load_named_tensors(self, weights: WeightsInput, version: int) -> dict[str, Any]:
         """Load (name, tensor) pairs, buckets of them, or packed `(manifest, flat)` buckets into

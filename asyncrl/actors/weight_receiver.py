@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from asyncrl.learner.weights import PREFIX, NamedTensor, dtype_from_name, make_group, make_store, unpack_bucket
+from asyncrl.learner.weights import (
+    PREFIX,
+    NamedTensor,
+    dtype_from_name,
+    make_group,
+    make_store,
+    unpack_bucket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +199,20 @@ def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> N
         head.quant_method.process_weights_after_loading(head)  # CPU build: repack the head
 
 
+_ANNOUNCE_STORES: dict[str, Any] = {}
+
+
+def announced_version(address: str, timeout_s: float = 10.0) -> int:
+    """The newest version the sender at `address` has started to broadcast (-1 before the
+    first); a cheap store read, for a rollout actor deciding when to call its engine's update."""
+    store = _ANNOUNCE_STORES.get(address)
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = _ANNOUNCE_STORES[address] = make_store(host, int(port), is_master=False, timeout_s=timeout_s)
+    key = f"{PREFIX}/announce"
+    return int(store.get(key)) if store.check([key]) else -1
+
+
 class WeightReceiverExtension:
     """vLLM worker extension: `collective_rpc("asyncrl_receive_weights", args=(address, prefix,
     timeout_s))`. Members are named `{prefix}/tp{rank}`. Returns the receiver's result dict."""
@@ -205,9 +226,10 @@ class WeightReceiverExtension:
             receivers[key] = WeightReceiver(address, f"{prefix}/tp{getattr(self, 'rank', 0)}", timeout_s, device)
         return receivers[key]
 
-    def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float) -> dict[str, Any]:
+    def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float,
+                                buffered: bool = True) -> dict[str, Any]:
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
-        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it))
+        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
         result.pop("tensors", None)
         return result
 

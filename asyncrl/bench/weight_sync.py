@@ -178,8 +178,8 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
                 version += 1
                 rig.ours(state, bucket_mb, version)  # warm-up: group build, first connections
                 rig.flat(flat)
-                ours_s = _median(lambda: rig.ours(state, bucket_mb, version), reps)
-                flat_s = _median(lambda: rig.flat(flat), reps)
+                ours_s = _median(lambda st=state, v=version: rig.ours(st, bucket_mb, v), reps)
+                flat_s = _median(lambda f=flat: rig.flat(f), reps)
                 params = sum(t.numel() for t in state.values())
                 cases.append({"state": label, "params": params, "bytes": nbytes, "receivers": receivers,
                               "bucket_mb": bucket_mb, "ours_s": ours_s, "flat_s": flat_s, "ratio": flat_s / ours_s,
@@ -187,7 +187,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
                 del flat
                 if receivers == 1 and label == sizes[1][0]:
                     for mb in sweep_mb:
-                        s = _median(lambda: rig.ours(state, mb, version), reps)
+                        s = _median(lambda st=state, m=mb, v=version: rig.ours(st, m, v), reps)
                         sweep.append({"state": label, "receivers": receivers, "bucket_mb": mb, "ours_s": s,
                                       "flat_s": flat_s, "ratio": flat_s / s})
     finally:

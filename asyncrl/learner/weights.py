@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "asyncrl_w"
 NamedTensor = tuple[str, torch.Tensor]
-WeightsInput = Iterable[Union[NamedTensor, list[NamedTensor]]]
+WeightsInput = Iterable["NamedTensor | list[NamedTensor]"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in
            (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -303,7 +303,7 @@ class WeightSender:
         store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None = [] if self.publish else None
         nbytes = nbuckets = 0
         failed_at: int | None = None
-        work = pending_flat = None
+        work = None  # the collective of the previous bucket (the Work object holds its tensor)
         rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
         for i, (manifest, flat) in enumerate(pack_buckets(weights, self.bucket_bytes)):
             nbytes += flat.numel() * flat.element_size()
@@ -314,20 +314,20 @@ class WeightSender:
                 store_copy.append((manifest, flat.to("cpu", copy=True)))
             if not members or failed_at is not None:
                 continue
+            on_wire = i - 1
             try:
                 if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
                     work.wait()
+                on_wire = i
                 self.store.set(f"{rk}/h{i}", json.dumps(manifest))
                 work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
-                pending_flat = flat  # keep the buffer alive until the work completes
             except Exception as exc:  # noqa: BLE001 - the watchdog path
-                failed_at, work = i, None
-                log.warning("weight sync: broadcast of bucket %d failed: %s", i, exc)
+                failed_at, work = on_wire, None
+                log.warning("weight sync: broadcast of bucket %d failed: %s", on_wire, exc)
         if members and failed_at is None:
             try:
                 if work is not None:
                     work.wait()
-                pending_flat = None
             except Exception as exc:  # noqa: BLE001
                 failed_at = nbuckets - 1
                 log.warning("weight sync: last bucket failed: %s", exc)

@@ -113,6 +113,9 @@ def test_broadcast_exact_to_two_receivers_over_rounds():
             assert status == "ok" and v == version
             assert_exact(tensors, sd)
     assert report.rebuilds == 0 and sender.generation == 1  # one group, reused
+    from asyncrl.actors.weight_receiver import announced_version
+
+    assert announced_version(sender.address) == 3
     for p in procs:
         p.join(10)
     sender.close()
