@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.actors.guided import render_verifier_messages
-from asyncrl.tasks.arith_vl import POLICY_PROBLEM, get_rule_verifier, make_rows, render_expression, verifier_view
+from asyncrl.tasks.arith_vl import (
+    POLICY_PROBLEM,
+    get_rule_verifier,
+    make_rows,
+    render_expression,
+    verifier_view,
+)
 from asyncrl.vision import prepare_images
 
 ROOT = Path(__file__).resolve().parents[2]
