@@ -62,7 +62,7 @@ from asyncrl.protocol import (
     decode,
     encode,
 )
-from asyncrl.replay.snapshot import read_snapshot, write_snapshot
+from asyncrl.replay.snapshot import SnapshotError, read_snapshot, write_snapshot
 from asyncrl.replay.state import BufferState, UnknownTicket
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,9 @@ class ReplayBufferServer:
             self._error_reply(sock, ident, rid, code, str(exc))
         except UnknownTicket as exc:
             self._error_reply(sock, ident, rid, "unknown_ticket", str(exc))
+        except (SnapshotError, OSError) as exc:  # a snapshot/restore the caller asked for failed
+            log.warning("replay buffer: %s", exc)
+            self._send(sock, ident, rid, ErrorReply("bad_request", f"{type(exc).__name__}: {exc}"))
         except Exception as exc:  # a bug must not take the buffer down for every client
             log.exception("replay buffer: handler failed")
             self.state.counters["internal_errors"] += 1
