@@ -34,9 +34,10 @@ _CHAT_TEMPLATE = (
 
 
 def build_tiny_qwen2(path: str | os.PathLike[str], *, vocab_words: int = 96, hidden: int = 64, layers: int = 2,
-                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0) -> Path:
+                     heads: int = 2, kv_heads: int = 1, intermediate: int = 128, seed: int = 0) -> Path:
     """A random Qwen2 (untied embeddings) + a WordLevel ChatML tokenizer, saved with save_pretrained.
-    Loads in transformers and vLLM. Returns the directory."""
+    Loads in transformers and vLLM (keep head_dim = hidden / heads >= 32: vLLM's CPU attention has
+    no kernel for head_dim 16). Returns the directory."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM

@@ -142,6 +142,9 @@ class LearnerWorker:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
         load_kw = dict(dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, **cfg.model.override_config)
+        self.ds_config = build_ds_config(self.lc, world_size, self.precision)
+        # ZeRO-3 partitions at deepspeed.initialize: each rank briefly holds the full model in host
+        # memory (partition-on-load via transformers' HfDeepSpeedConfig would need `accelerate`)
         model = AutoModelForCausalLM.from_pretrained(path, **load_kw)
         model.config.use_cache = False
         model.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
@@ -165,7 +168,6 @@ class LearnerWorker:
         self.warmup_steps = warmup
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, self.total_optim_steps, warmup, oc.lr_scheduler, oc.min_lr_ratio))
-        self.ds_config = build_ds_config(self.lc, world_size, self.precision)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
         self.kl_ctl = make_kl_controller(self.lc.kl)
