@@ -106,6 +106,11 @@ def _conversation(vl):
     pytest.fail("no seed gave a 2-turn conversation")
 
 
+@pytest.fixture(scope="module")
+def conv(vl):
+    return _conversation(vl)
+
+
 def _diffs(vl, ts, images, one_d: bool = False) -> float:
     from asyncrl.learner.multimodal import masked_logprobs, vl_response_logprobs
 
@@ -126,10 +131,10 @@ def _diffs(vl, ts, images, one_d: bool = False) -> float:
     return float((lp - behaviour)[mask].abs().max())
 
 
-def test_vl_behaviour_logprobs_match_learner_final_and_full_turn(vl):
+def test_vl_behaviour_logprobs_match_learner_final_and_full_turn(vl, conv):
     from asyncrl.actors.guided import build_training_sample
 
-    conv, prep = _conversation(vl)
+    conv, prep = conv
     final = build_training_sample(conv, "final_turn")
     full = build_training_sample(conv, "full_turn")
     assert full.scope == "full_turn" and not full.fallback
@@ -143,3 +148,34 @@ def test_vl_behaviour_logprobs_match_learner_final_and_full_turn(vl):
     assert d_final < 1e-4
     assert d_full < 1e-4
     assert d_1d > 100 * max(d_full, 1e-5)  # the test does catch wrong position ids
+
+
+def test_vl_group_over_the_wire_into_a_learner_micro_batch(vl, conv):
+    """Rollout -> wire -> learner data path: both scopes' samples in one Group with the images in
+    its metadata, through the msgpack codec, flattened and collated by the learner's batching
+    (left-padded prompts of different lengths), features + mRoPE ids from the decoded PNGs."""
+    from asyncrl.actors.guided import to_sample
+    from asyncrl.learner.batching import collate, flatten_groups
+    from asyncrl.learner.multimodal import group_row_images, masked_logprobs
+    from asyncrl.protocol import Group, decode, encode
+
+    conv, prep = conv
+    samples = [to_sample(conv, reward=1.0, scope=sc) for sc in ("final_turn", "full_turn")]
+    samples[1].uid += "-full"
+    frame = encode(Group.from_samples(samples, metadata={"images": prep.to_wire()}))
+    group = decode(frame)
+    flat = flatten_groups([group])
+    assert flat.prompt_lengths[0] > flat.prompt_lengths[1]  # the full_turn prompt is the first turn's
+    mb = collate(flat, [0, 1], pad_id=vl.processor.tokenizer.pad_token_id)
+    images, hashes = group_row_images([group])
+    extra = vl.builder.forward_kwargs(mb.input_ids, mb.attention_mask, images, hashes)
+    with torch.no_grad():
+        out = vl.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **extra,
+                       logits_to_keep=mb.response_len + 1, use_cache=False)
+    lp = masked_logprobs(out.logits[:, :-1], mb.input_ids[:, -mb.response_len:], 1.0, vl.bias)
+    behaviour = flat.behaviour_logprobs[:, :mb.response_len]
+    diff = float(((lp - behaviour).abs() * mb.response_mask).max())
+    png = sum(len(b) for b in prep.png)
+    print(f"\n[{vl.arch}] group frame {len(frame)} B (images {png} B as PNG); collated micro-batch "
+          f"max |logprob diff| {diff:.2e}")
+    assert diff < 1e-4
