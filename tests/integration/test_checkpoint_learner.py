@@ -5,7 +5,8 @@
 - 2 ranks, ZeRO-2 (sharded optimizer state), cosine LR with warmup, adaptive KL as a loss: save after
   step 2, train step 3; a fresh job that loads the checkpoint continues at version 2 and its step 3
   has the same loss, KL coefficient, LR and resulting parameters as the uninterrupted run;
-- the HF export loads in transformers (weights equal the learner's) with its tokenizer; trainer_state.json
+- the HF export loads in transformers (weights equal the learner's) with its tokenizer, and (slow tier)
+  in vLLM's CPU build with matching log-probs; trainer_state.json
   carries step, version, LR scheduler and KL controller; the lead's `fill` hook writes into the
   checkpoint before it is committed.
 """
@@ -108,3 +109,39 @@ def test_resume_matches_uninterrupted_run(tmp_path) -> None:
     finally:
         group.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_hf_export_loads_in_vllm(tmp_path, monkeypatch) -> None:
+    """The checkpoint's hf/ directory serves in vLLM's CPU build with the learner's weights: vLLM's
+    prompt log-probs equal transformers' on the same export (fp32)."""
+    pytest.importorskip("vllm")
+    import socket
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learner.learner import LearnerWorker
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cfg = load_config(None, [f"model.path={build_tiny_qwen2(tmp_path / 'policy')}", "learner.optim.lr=1e-2",
+                             f"trainer.run_dir={tmp_path}"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = LearnerWorker(cfg, 0, 1, "127.0.0.1", port)  # in-process rank (this test runs alone: slow tier)
+    worker.train_step(synthetic_groups(2, 4, worker.vocab_size, (3, 9), (4, 16), seed=0))
+    with ckpt.atomic_checkpoint(tmp_path / "checkpoints", worker.version) as tmp:
+        worker.save_checkpoint(tmp)
+    hf = str(tmp_path / "checkpoints" / "step_1" / "hf")
+    ids = [1, 4, 13, 5, 17, 20, 2, 1, 30, 31, 32, 33]
+    with torch.no_grad():
+        lp = torch.log_softmax(AutoModelForCausalLM.from_pretrained(hf)(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=hf, dtype="float32", enforce_eager=True, max_model_len=256)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    got = [out[0].prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(expected, got)) < 1e-4
