@@ -37,6 +37,7 @@ __all__ = [
     "ImageTokenMismatch", "VL_MODEL_TYPES", "is_vl_config", "load_vl_model", "load_vl_processor",
     "vision_module", "freeze_vision_tower", "vision_logit_bias", "mm_token_type_ids", "check_image_tokens",
     "mrope_position_ids", "VLInputBuilder", "masked_logprobs", "vl_response_logprobs", "group_row_images",
+    "vl_forward",
 ]
 
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -223,6 +224,21 @@ class VLInputBuilder:
         out["position_ids"] = mrope_position_ids(self.model, input_ids, attention_mask,
                                                  None if grid is None else grid.to(input_ids.device))
         return out
+
+
+def vl_forward(model: Any, builder: VLInputBuilder, mb: Any, row_images: Sequence[Sequence[Any]],
+               row_hashes: Sequence[Sequence[str]] | None = None) -> Any:
+    """The learner's forward of one `batching.MicroBatch` of a VL policy (drop-in for the text
+    forward in `LearnerWorker._forward_logits`): `row_images`/`row_hashes` are indexed by FlatBatch
+    row (`group_row_images(groups)`); a dummy micro-batch (no rows) runs text-only."""
+    rows = [int(i) for i in mb.indices.tolist()]
+    imgs = [row_images[i] for i in rows] if rows else [[] for _ in range(mb.input_ids.shape[0])]
+    hs = None
+    if row_hashes is not None and rows:
+        hs = [row_hashes[i] for i in rows]
+    extra = builder.forward_kwargs(mb.input_ids, mb.attention_mask, imgs, hs)
+    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **extra,
+                 logits_to_keep=mb.response_len + 1, use_cache=False)
 
 
 # -------------------------------------------------------------------------------------- log-probs

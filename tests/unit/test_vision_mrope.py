@@ -123,3 +123,46 @@ def test_collated_micro_batch_equals_single_samples(tiny):
         alone = vl_response_logprobs(model, builder, s.prompt_ids.tolist(), s.response_ids.tolist(), per_row[j])
         t = len(s.response_ids)
         assert torch.allclose(batched[j, :t], alone, atol=1e-4), (batched[j, :t], alone)
+
+
+def test_vl_forward_trains_language_and_vision_unless_frozen(tiny):
+    """A learner micro-step through `vl_forward`: gradients reach the vision tower and the language
+    model; with `freeze_vision_tower` only the language model; a dummy micro-batch runs text-only."""
+    import copy
+
+    from PIL import Image
+
+    from asyncrl.learner.batching import collate, flatten_groups
+    from asyncrl.learner.multimodal import (
+        VLInputBuilder,
+        freeze_vision_tower,
+        group_row_images,
+        masked_logprobs,
+        vision_module,
+        vl_forward,
+    )
+    from asyncrl.protocol import Group, Sample
+    from asyncrl.vision import PreparedImages, processor_prompt_ids
+
+    base, proc, _ = tiny
+    prep = PreparedImages.from_images([Image.new("RGB", (84, 56), (250, 250, 250))])
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Compute it."}]}]
+    ids = processor_prompt_ids(proc, msgs, prep.images)
+    samples = [Sample(f"p/{i}", "p", ids, [30 + i, 31, 2], [1, 1, 1], [-1.0] * 3, [0] * 3) for i in range(2)]
+    groups = [Group.from_samples(samples, metadata={"images": prep.to_wire()})]
+    flat = flatten_groups(groups)
+    row_images, row_hashes = group_row_images(groups)
+    for frozen in (False, True):
+        model = copy.deepcopy(base).train()
+        if frozen:
+            freeze_vision_tower(model)
+        builder = VLInputBuilder(model, proc)
+        mb = collate(flat, [0, 1], pad_id=proc.tokenizer.pad_token_id)
+        out = vl_forward(model, builder, mb, row_images, row_hashes)
+        lp = masked_logprobs(out.logits[:, :-1], mb.input_ids[:, -mb.response_len:])
+        (-(lp * mb.response_mask).sum()).backward()
+        vis = [p.grad for p in vision_module(model).parameters()]
+        assert all(g is None for g in vis) if frozen else any(g is not None and g.abs().sum() > 0 for g in vis)
+        assert model.lm_head.weight.grad.abs().sum() > 0
+        dummy = collate(flat, [], pad_id=proc.tokenizer.pad_token_id)  # ZeRO's padding micro-batch
+        assert vl_forward(model, builder, dummy, row_images, row_hashes).logits.shape[0] == 1
