@@ -49,10 +49,14 @@ from PIL import Image
 __all__ = [
     "PreparedImages", "load_image", "resize_image", "count_image_items", "align_images", "prepare_images",
     "encode_png", "decode_png", "image_hash", "images_from_wire", "collapse_placeholders", "expand_placeholders",
-    "vllm_prompt", "processor_prompt_ids", "vllm_mm_engine_kwargs",
+    "vllm_prompt", "processor_prompt_ids", "vllm_mm_engine_kwargs", "verifier_view", "VLPrompt", "build_vl_prompt",
+    "VERIFIER_PROBLEM_KEY",
 ]
 
 log = logging.getLogger(__name__)
+VERIFIER_PROBLEM_KEY = "verifier_problem"
+"""Optional dataset column: the problem text the (text-only) verifier reads instead of the
+policy's text (e.g. arith_vl's figure caption). Absent = Guided-GRPO's behaviour."""
 _warned_no_placeholder = False
 
 
@@ -257,3 +261,58 @@ def vllm_mm_engine_kwargs(limit_images: int = 0, default_max_images: int = 4) ->
     """Extra vLLM engine arguments for a VL policy: images per prompt bounded by
     `rollout.limit_images` (or `default_max_images`), no video (not implemented)."""
     return {"limit_mm_per_prompt": {"image": limit_images if limit_images > 0 else default_max_images, "video": 0}}
+
+
+def verifier_view(messages: Sequence[dict[str, Any]], text: str | None) -> list[dict[str, Any]]:
+    """Messages a conversation is built from for the verifier: the first user message's text items
+    replaced by `text` (image items kept first, so the verifier reads `[IMAGE]` then `text`).
+    A deep copy of `messages` when `text` is empty (Guided-GRPO: the verifier sees the policy's text)."""
+    import copy
+
+    out = copy.deepcopy(list(messages))
+    if not text:
+        return out
+    for m in out:
+        if m.get("role") == "user":
+            content = m.get("content")
+            images = [it for it in content if _is_image_item(it)] if isinstance(content, list) else []
+            m["content"] = images + [{"type": "text", "text": str(text)}]
+            break
+    return out
+
+
+@dataclass
+class VLPrompt:
+    """Everything a rollout needs for one multimodal prompt (built once per group)."""
+
+    messages: list[dict[str, Any]]
+    """Aligned policy messages (1.6)."""
+    verifier_messages: list[dict[str, Any]]
+    """What to give `make_group` / `Conversation` as `messages` (verifier request + transcript)."""
+    prompt_ids: list[int]
+    """Processor-expanded first-turn ids: `make_group(..., prompt_ids=...)`."""
+    images: PreparedImages
+    image_token_id: int
+
+    def engine_inputs(self, prompt_ids: Sequence[int]) -> tuple[list[int], dict[str, Any] | None]:
+        """(vLLM prompt_token_ids, multi_modal_data or None) for a turn's expanded context."""
+        p = vllm_prompt(prompt_ids, self.images.images, self.image_token_id)
+        return p["prompt_token_ids"], p.get("multi_modal_data")
+
+
+def build_vl_prompt(prompt: Any, processor: Any, data_cfg: Any = None, limit_images: int = 0, *,
+                    image_token_id: int, **template_kwargs: Any) -> VLPrompt:
+    """From a stream item (`PromptItem` or its `to_dict()`): align + load + resize + PNG the
+    images, expand the prompt with the processor, and build the verifier's view (the row's
+    `verifier_problem` column when present). Text-only items (no images kept) get the tokenizer's
+    ids, exactly what `PolicyChat.encode_prompt` gives, and no multimodal data."""
+    get = prompt.get if isinstance(prompt, dict) else (lambda k, d=None: getattr(prompt, k, d))
+    messages, prep = prepare_images(get("messages"), get("images"), data_cfg, limit_images)
+    if len(prep):
+        ids = processor_prompt_ids(processor, messages, prep.images, **template_kwargs)
+    else:
+        tok = getattr(processor, "tokenizer", processor)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        ids = list(tok.encode(text, add_special_tokens=False))
+    row = get("row") or {}
+    return VLPrompt(messages, verifier_view(messages, row.get(VERIFIER_PROBLEM_KEY)), ids, prep, int(image_token_id))

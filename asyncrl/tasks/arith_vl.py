@@ -25,7 +25,6 @@ Deterministic (same rows as `arith.generate_split`, same PNG bytes for the same 
 from __future__ import annotations
 
 import argparse
-import copy
 import io
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,13 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 from asyncrl.tasks.arith import generate_split, write_jsonl
+from asyncrl.vision import VERIFIER_PROBLEM_KEY
+from asyncrl.vision import verifier_view as _verifier_view
 
 __all__ = ["POLICY_PROBLEM", "VERIFIER_PROBLEM_KEY", "render_expression", "make_rows", "verifier_view",
            "get_rule_verifier", "write_splits"]
 
 POLICY_PROBLEM = "<image>\nCompute the expression shown in the image."
-VERIFIER_PROBLEM_KEY = "verifier_problem"
 SIZE = (224, 56)
 
 
@@ -80,19 +80,9 @@ def make_rows(split: str, n: int, seed: int = 0, difficulty: int = 1, image_subd
 def verifier_view(messages: list[dict[str, Any]], row: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The messages the verifier is built from: the first user message's text replaced by
     `row["verifier_problem"]` (image items kept, so the verifier sees `[IMAGE]` then the text).
-    Unchanged copy when the row has no such column."""
-    out = copy.deepcopy(messages)
-    text = (row or {}).get(VERIFIER_PROBLEM_KEY)
-    if not text:
-        return out
-    for m in out:
-        if m.get("role") == "user":
-            content = m.get("content")
-            images = [it for it in content if isinstance(it, dict) and it.get("type") == "image"] \
-                if isinstance(content, list) else []
-            m["content"] = images + [{"type": "text", "text": str(text)}]
-            break
-    return out
+    Unchanged copy when the row has no such column. (`asyncrl.vision.build_vl_prompt` does this
+    for every VL prompt.)"""
+    return _verifier_view(messages, (row or {}).get(VERIFIER_PROBLEM_KEY))
 
 
 def get_rule_verifier():

@@ -69,3 +69,31 @@ def test_rule_verifier_reads_the_caption_not_the_figure():
     blind = verify(render_verifier_messages(msgs[0]["content"], row["answer"], [turn], None))
     assert blind.startswith("Error: I cannot read an expression"), blind
     assert verifier_view(msgs, {"answer": "1"}) == msgs  # no caption column: plain Guided-GRPO
+
+
+def test_build_vl_prompt_from_a_stream_item():
+    """The rollout's one call per group: aligned messages, processor-expanded ids (16 tokens for a
+    224x56 figure), the verifier's view with the caption, collapsed engine ids + the PIL figure;
+    a text-only item gives exactly PolicyChat's ids and no multimodal data."""
+    from transformers import AutoProcessor
+
+    from asyncrl.actors.guided import PolicyChat, flatten_content
+    from asyncrl.config import DataConfig
+    from asyncrl.data import load_rows, make_item
+    from asyncrl.vision import build_vl_prompt
+
+    proc = AutoProcessor.from_pretrained(ROOT / "assets/tiny-vl-policy")
+    image_id = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    cfg = DataConfig(image_dir=str(ROOT / "assets/arith_vl"), min_pixels=3136, max_pixels=200704)
+    rows = load_rows(str(ROOT / "assets/arith_vl/val.jsonl"), cfg)
+    item = make_item(rows, 0, cfg, index=0, name="val").to_dict()
+    vp = build_vl_prompt(item, proc, cfg, limit_images=1, image_token_id=image_id)
+    assert vp.prompt_ids.count(image_id) == 16 and len(vp.images) == 1
+    problem = vp.verifier_messages[-1]["content"]
+    assert flatten_content(problem) == f"[IMAGE]\n{rows[0]['verifier_problem']}"
+    ids, mm = vp.engine_inputs(vp.prompt_ids + [40, 41])
+    assert ids.count(image_id) == 1 and len(ids) == len(vp.prompt_ids) + 2 - 15 and mm["image"] == vp.images.images
+    text_item = {"messages": [{"role": "user", "content": "Compute 2 + 3."}], "images": None, "row": {}}
+    tp = build_vl_prompt(text_item, proc, cfg, image_token_id=image_id)
+    assert tp.prompt_ids == PolicyChat(proc).encode_prompt(text_item["messages"])
+    assert tp.engine_inputs(tp.prompt_ids)[1] is None and tp.verifier_messages == text_item["messages"]
