@@ -3,9 +3,11 @@
 
 One pipeline, used by the rollout AND the learner, so both see the same pixels:
 
-    messages, prepared = prepare_images(item.messages, item.images, data_cfg, limit_images)
-    # rollout: prompt ids (processor-expanded) for bookkeeping, unexpanded ids + PIL for vLLM
-    # wire:    prepared.to_wire() -> Group.metadata["images"]; learner: images_from_wire(...)
+    vp = build_vl_prompt(item, processor, cfg.data, cfg.rollout.limit_images, image_token_id=...)
+    convs = make_group(vp.verifier_messages, ..., prompt_ids=vp.prompt_ids)    # once per group
+    ids, mm = vp.engine_inputs(turn_prompt_ids)   # every turn: collapsed ids + the same PIL images
+    Group.from_samples(..., metadata={"images": vp.images.to_wire()})          # PNG once per group
+    # learner: asyncrl.learner.multimodal.group_row_images(groups) -> decoded images per row
 
 Guarantees
 - `load_image` accepts what Guided-GRPO's image column accepts (7.1): a PIL image, a path (joined to

@@ -58,7 +58,8 @@ def is_vl_config(config: Any) -> bool:
 
 
 def load_vl_model(path: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
-    """`AutoModelForImageTextToText` (Qwen*VLForConditionalGeneration) with eager-safe SDPA."""
+    """The policy as `AutoModelForImageTextToText` (Qwen*VLForConditionalGeneration); transformers
+    5 has no `AutoModelForCausalLM` mapping for Qwen-VL configs, so the learner must load it this way."""
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **kwargs)
