@@ -1,4 +1,4 @@
-"""`python -m asyncrl.bench e2e --config X.yaml [--steps N]`: the real system, synchronous vs async.
+"""`python -m asyncrl.bench e2e --config X.yaml` (steps: env ASYNCRL_BENCH_STEPS): the real system, synchronous vs async.
 
 Runs the full topology twice back to back in one invocation: first with `buffer.max_staleness=0`
 (synchronous on-policy: the fleet only generates for the current version, so each step costs
@@ -14,6 +14,7 @@ Steady state skips the first `--warmup` steps (engine warm-up, first admissions)
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,15 @@ def measure(cfg: Config, steps: int, warmup: int, tag: str) -> dict[str, Any]:
     if rc != 0:
         raise RuntimeError(f"e2e run {tag} exited with {rc}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return figures(rows, warmup, max_staleness=cfg.buffer.max_staleness, rollout_actors=cfg.rollout.num_actors)
+
+
+def figures(rows: list[dict[str, Any]], warmup: int, *, max_staleness: int, rollout_actors: int) -> dict[str, Any]:
+    """Steady-state figures of one run from its metrics.jsonl rows (one row per learner step).
+
+    Steady wall time = time of the last row - time of the first steady row + that row's step
+    time (so N steady steps span N step durations). R (rollout, per step) = the learner's mean
+    wait for its batch; T (train + sync, per step) = mean step time - R."""
     steady = rows[warmup:] if len(rows) > warmup + 1 else rows
     wall = steady[-1]["time"] - steady[0]["time"] + steady[0].get("perf/step_s", 0.0)
     tokens = sum(r.get("perf/train_tokens", 0) for r in steady)
@@ -52,7 +62,7 @@ def measure(cfg: Config, steps: int, warmup: int, tag: str) -> dict[str, Any]:
     wait = mean("perf/batch_wait_s")
     step_s = mean("perf/step_s")
     return {
-        "max_staleness": cfg.buffer.max_staleness, "rollout_actors": cfg.rollout.num_actors, "steps": len(rows),
+        "max_staleness": max_staleness, "rollout_actors": rollout_actors, "steps": len(rows),
         "steady_steps": len(steady), "steady_wall_s": wall, "steps_per_s": len(steady) / max(wall, 1e-9),
         "trained_tokens_per_s": tokens / max(wall, 1e-9), "step_s": step_s, "rollout_s_per_step": wait,
         "train_sync_s_per_step": step_s - wait, "learner_idle_ratio": mean("perf/learner_idle_ratio"),
@@ -62,9 +72,24 @@ def measure(cfg: Config, steps: int, warmup: int, tag: str) -> dict[str, Any]:
     }
 
 
+def summarize(sync: dict[str, Any], asyn: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """The e2e JSON from the two runs' figures: speedup = async steps/s / sync steps/s; ideal =
+    (R + T) / max(R, T) with R, T per step of the synchronous run."""
+    r, t = sync["rollout_s_per_step"], sync["train_sync_s_per_step"]
+    ideal = (r + t) / max(max(r, t), 1e-9)
+    speedup = asyn["steps_per_s"] / max(sync["steps_per_s"], 1e-9)
+    return {"speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal if ideal else None,
+            "sync": sync, "async": asyn, "steps": steps, "warmup": warmup,
+            "latency_model": {"gen_overhead_s": 0.0,
+                              "gen_tokens_per_s": sync["trained_tokens_per_s"] * sync["step_s"] / max(r, 1e-9)
+                              if r > 0 else 0.0,
+                              "train_tokens_per_s": sync["trained_tokens_per_s"] * sync["step_s"] / max(t, 1e-9)
+                              if t > 0 else 0.0}}
+
+
 def run(cfg: Config, args) -> dict[str, Any]:
     smoke = getattr(args, "smoke", False)
-    steps = 3 if smoke else 12
+    steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 3 if smoke else 12))
     warmup = 1 if smoke else 3
     staleness = max(1, cfg.buffer.max_staleness)
     sync_cfg = cfg.model_copy(deep=True)
@@ -73,24 +98,18 @@ def run(cfg: Config, args) -> dict[str, Any]:
     async_cfg.buffer.max_staleness = staleness
     sync = measure(sync_cfg, steps, warmup, "sync")
     asyn = measure(async_cfg, steps, warmup, "async")
-    r, t = sync["rollout_s_per_step"], sync["train_sync_s_per_step"]
-    ideal = (r + t) / max(max(r, t), 1e-9)
-    speedup = asyn["steps_per_s"] / max(sync["steps_per_s"], 1e-9)
+    result = summarize(sync, asyn, steps, warmup)
+    speedup, ideal = result["speedup"], result["ideal_speedup"]
     rows = [("sync steps/s", sync["steps_per_s"]), ("async steps/s", asyn["steps_per_s"]),
             ("sync trained tok/s", sync["trained_tokens_per_s"]), ("async trained tok/s", asyn["trained_tokens_per_s"]),
-            ("R rollout s/step (sync)", r), ("T train+sync s/step (sync)", t),
+            ("R rollout s/step (sync)", sync["rollout_s_per_step"]),
+            ("T train+sync s/step (sync)", sync["train_sync_s_per_step"]),
             ("ideal speedup (R+T)/max(R,T)", ideal), ("measured speedup", speedup),
             ("fraction of ideal", speedup / ideal if ideal else float("nan")),
             ("async staleness hist", str(asyn["staleness_hist"]))]
     print_table(f"e2e: async (max_staleness={staleness}) vs sync (max_staleness=0)", rows)
     _plot(sync, asyn, Path(getattr(args, "output", "bench")))
-    return {"speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal if ideal else None,
-            "sync": sync, "async": asyn, "steps": steps, "warmup": warmup,
-            "latency_model": {"gen_overhead_s": 0.0,
-                              "gen_tokens_per_s": sync["trained_tokens_per_s"] * sync["step_s"] / max(r, 1e-9)
-                              if r > 0 else 0.0,
-                              "train_tokens_per_s": sync["trained_tokens_per_s"] * sync["step_s"] / max(t, 1e-9)
-                              if t > 0 else 0.0}}
+    return result
 
 
 def _plot(sync: dict[str, Any], asyn: dict[str, Any], out: Path) -> None:

@@ -31,13 +31,20 @@ def run(cfg: Config, args) -> dict[str, Any]:
             cells.append(cell)
             print(f"  actors {a} staleness {s}: {cell['trained_tokens_per_s']:.0f} tok/s, "
                   f"learner idle {cell['learner_idle_ratio']:.2f}, rollout idle {cell['rollout_idle_ratio']:.2f}")
+    result = summarize(cells, actors, staleness)
+    best = result["best"]
+    print_table("sweep", [("cells", len(cells)), ("best actors", best["rollout_actors"]),
+                          ("best staleness", best["max_staleness"]), ("best / (1 actor, sync)", result["ratio"])])
+    _heatmap(cells, actors, staleness, Path(getattr(args, "output", "bench")))
+    return result
+
+
+def summarize(cells: list[dict[str, Any]], actors: list[int], staleness: list[int]) -> dict[str, Any]:
+    """The sweep JSON: every cell, the grid, the best cell and `ratio` = best trained tokens/s ÷
+    the (fewest actors, max_staleness=0) cell's (the synchronous baseline of the same grid)."""
     base = next(c for c in cells if c["rollout_actors"] == actors[0] and c["max_staleness"] == 0)
     best = max(cells, key=lambda c: c["trained_tokens_per_s"])
-    print_table("sweep", [("cells", len(cells)), ("best actors", best["rollout_actors"]),
-                          ("best staleness", best["max_staleness"]),
-                          ("best / (1 actor, sync)", best["trained_tokens_per_s"] / max(base["trained_tokens_per_s"], 1e-9))])
-    _heatmap(cells, actors, staleness, Path(getattr(args, "output", "bench")))
-    return {"cells": cells, "actors": actors, "staleness": staleness,
+    return {"cells": cells, "actors": actors, "staleness": staleness, "best": best,
             "ratio": best["trained_tokens_per_s"] / max(base["trained_tokens_per_s"], 1e-9)}
 
 
