@@ -5,6 +5,7 @@
   token-mode loss normalisation is exact across micro-batches and ranks;
 - ZeRO-3 (2 ranks) exports, bucket by bucket, full tensors equal to that reference, under the HF
   names of the saved model;
+- rank 0's WeightSender fed by the ZeRO-3 export delivers exactly those tensors to a receiver;
 - a non-finite gradient skips the optimizer step (weights unchanged, counted) with ZeRO-1 (DeepSpeed's
   overflow path) and with ZeRO-0 (the learner's own pre-check); the next step trains normally.
 """
@@ -148,3 +149,34 @@ def test_recomputed_proximal_matches_training_forward(model_dir: str, two_ranks,
     assert m["train/optimizer_steps"] == 2.0 and all(v == v for v in m.values())  # no NaN anywhere
     m2 = two_ranks.step(synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=22))
     assert m2["train/kl_penalty"] > 0  # the policy moved away from the reference
+
+
+def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_path) -> None:
+    """Rank 0's WeightSender (section 3) fed by the ZeRO-3 bucketed export of a 2-rank job delivers
+    exactly the learner's full parameters, as the current version, to a receiver (here a thread of
+    this process), in several buckets."""
+    import threading
+
+    from asyncrl.actors.weight_receiver import WeightReceiver
+
+    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **{
+        "learner.cpu_ranks": 2, "learner.zero_stage": 3, "learner.weights.bucket_mb": 0.02,
+        "learner.weights.timeout_s": 30}))
+    two_ranks.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=31))
+    expected = two_ranks.export_state()
+    address = two_ranks.start_weight_sender(0, False)
+    two_ranks.weight_sender("add_receivers", ["rx"])
+    got: dict = {}
+
+    def receive() -> None:
+        rec = WeightReceiver(address, "rx", timeout_s=60)
+        got.update(rec.receive(None, timeout_s=120))
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    report = two_ranks.broadcast_weights()
+    t.join(timeout=120)
+    assert got.get("status") == "ok" and got["version"] == 1, (got, report)
+    tensors = dict(got["tensors"])
+    assert _max_diff(tensors, expected) == 0.0
+    assert report["buckets"] > 1 and report["acked"] == ["rx"] and report["version"] == 1
