@@ -9,6 +9,10 @@
   results come from rank 0 (metrics are identical on every rank).
 - Groups travel to the ranks as `asyncrl.protocol` msgpack frames put once in the object store
   (no pickled Python objects on the way).
+- Weights: `start_weight_sender()` creates `learner.weights.WeightSender` on rank 0 (returns the
+  address receivers join), `weight_sender(method, *args)` manages its members, and
+  `broadcast_weights()` streams the export bucket by bucket: every rank walks the same buckets (the
+  ZeRO-3 gathers are collectives), rank 0 broadcasts them as the current version.
 - Checkpoints: `save_checkpoint(step, fill)` makes the temporary directory, has every rank write
   its part, calls `fill(tmp_dir)` (the lead adds the buffer snapshot and data cursor there), then
   commits atomically and prunes to `trainer.save_limit`.
