@@ -11,24 +11,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m asyncrl.ctl", description=__doc__,
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run-dir", default=argparse.SUPPRESS, help="run directory of the job (default: newest under runs/)")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help="seconds to wait for the job to act")
+    p = argparse.ArgumentParser(prog="python -m asyncrl.ctl", description=__doc__, parents=[common],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run-dir", default=None, help="run directory of the job (default: newest under runs/)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the job to act")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="print the job's state and latest metrics")
-    s = sub.add_parser("scale", help="set the number of rollout actors")
+    sub.add_parser("status", parents=[common], help="print the job's state and latest metrics")
+    s = sub.add_parser("scale", parents=[common], help="set the number of rollout actors")
     s.add_argument("n", type=int)
-    w = sub.add_parser("swap-verifier", help="deploy a new verifier version from a config file (its `verifier:` section)")
+    w = sub.add_parser("swap-verifier", parents=[common],
+                       help="deploy a new verifier version from a config file (its `verifier:` section)")
     w.add_argument("file")
-    sub.add_parser("checkpoint", help="write a checkpoint now")
-    sub.add_parser("stop", help="checkpoint and stop the job")
+    sub.add_parser("checkpoint", parents=[common], help="write a checkpoint now")
+    sub.add_parser("stop", parents=[common], help="checkpoint and stop the job")
     return p
 
 
@@ -43,6 +46,8 @@ def _find_run_dir(arg: str | None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.run_dir = getattr(args, "run_dir", None)
+    args.timeout = getattr(args, "timeout", 600.0)
     run_dir = _find_run_dir(args.run_dir)
     job_file = run_dir / "job.json"
     if not job_file.exists():
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cmd_args = {"verifier": new.verifier.model_dump(mode="json")}
 
+    if job.get("ray_auth_mode"):
+        os.environ.setdefault("RAY_AUTH_MODE", job["ray_auth_mode"])  # token in ~/.ray/auth_token
     import ray
 
     try:

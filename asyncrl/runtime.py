@@ -128,6 +128,8 @@ def ray_init(cfg: Config, namespace: str) -> None:
                         os.environ.get("HF_HUB_OFFLINE", "1"), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
                         "VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.rollout.cpu_kvcache_gb))),
                         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                        "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
+                        "TORCH_CPP_LOG_LEVEL": "ERROR",
                         "PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
     if cfg.cluster.ray_address:
         try:
@@ -136,8 +138,9 @@ def ray_init(cfg: Config, namespace: str) -> None:
             raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}") from exc
     else:
         num_cpus = cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2)
+        # Embedded cluster: every Ray endpoint on loopback (token auth is Ray's default for new clusters).
         ray.init(num_cpus=num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=namespace, runtime_env=env,
-                 include_dashboard=False, logging_level="WARNING")
+                 include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
 
 
 def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
@@ -271,17 +274,18 @@ def run(cfg: Config) -> int:
 
     run_dir = prepare_run_dir(cfg)
     stop = StopFlag()
-    stop.install()
     namespace = f"asyncrl-{cfg.trainer.experiment_name}-{os.getpid()}"
     topo = None
     try:
         resume = find_resume(cfg, run_dir)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
+        stop.install()  # after ray.init, which installs its own SIGTERM handler in the driver
         topo = build_topology(cfg, run_dir, resume)
         (run_dir / "job.json").write_text(json.dumps({
             "ray_address": ray.get_runtime_context().gcs_address, "namespace": namespace,
-            "coordinator": "coordinator", "pid": os.getpid(), "started": time.time()}))
+            "coordinator": "coordinator", "pid": os.getpid(), "started": time.time(),
+            "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}))
         from asyncrl.trainer import Trainer
 
         return Trainer(cfg, topo, run_dir, stop, resume).train()

@@ -63,6 +63,8 @@ class Trainer:
         rc = 0
         while self.step < cfg.trainer.max_steps and not self.stop.requested:
             metrics = self.train_one_step()
+            if metrics is None:
+                break
             self.step += 1
             self.logger.log(self.step, metrics)
             if bar is not None:
@@ -70,6 +72,7 @@ class Trainer:
                 bar.set_postfix_str(format_console(self.step, cfg.trainer.max_steps, metrics).split(" | ", 1)[-1])
             else:
                 say(format_console(self.step, cfg.trainer.max_steps, metrics))
+            self._publish_status(metrics)
             self.handle_commands()
             self.heal_actors()
             if cfg.trainer.save_every > 0 and self.step % cfg.trainer.save_every == 0:
@@ -92,18 +95,21 @@ class Trainer:
 
     _stop_requested_by_ctl = False
 
-    def train_one_step(self) -> dict[str, Any]:
+    def train_one_step(self) -> dict[str, Any] | None:
         import ray
 
         cfg, topo = self.cfg, self.topo
         t0 = time.time()
-        groups = self.buffer_client.get_batch(cfg.data.rollout_batch_size, self.version,
-                                              timeout_s=cfg.learner.batch_timeout_s)
+        groups = self._get_batch(cfg.data.rollout_batch_size, cfg.learner.batch_timeout_s)
         t_batch = time.time()
+        if not groups:  # stopping while waiting: nothing taken from the buffer, nothing to train
+            return None
+        # (a partial batch only happens while stopping: it is trained rather than lost)
         lags = [self.version - g.min_version for g in groups]
         learner_metrics = topo.learner.step(groups)
         t1 = time.time()
         self.version = int(learner_metrics.get("train/version", self.version + 1))
+        self.heal_actors()  # a dead engine found now is withdrawn before the broadcast waits for it
         sync = sync_weights(topo)
         t2 = time.time()
         ray.get(topo.coordinator.set_version.remote(self.version))
@@ -135,6 +141,23 @@ class Trainer:
             say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")
         return metrics
 
+    def _get_batch(self, num_groups: int, timeout_s: float) -> list[Any]:
+        """Exactly `num_groups` groups for the current version (the buffer may answer with fewer
+        when its wait times out; keep asking until the deadline, then fail with a message)."""
+        groups: list[Any] = []
+        deadline = time.time() + timeout_s
+        while len(groups) < num_groups:
+            left = deadline - time.time()
+            if left <= 0 or self.stop.requested:
+                break
+            groups += self.buffer_client.get_batch(num_groups - len(groups), self.version, timeout_s=min(left, 30.0))
+            if len(groups) < num_groups:
+                self.heal_actors()
+        if len(groups) < num_groups and not self.stop.requested:
+            raise RuntimeError(f"the learner got {len(groups)}/{num_groups} groups in learner.batch_timeout_s="
+                               f"{timeout_s:.0f}s: is the rollout fleet alive? (asyncrl.ctl status)")
+        return groups
+
     def _rollout_stats(self) -> dict[str, Any]:
         import ray
 
@@ -158,6 +181,16 @@ class Trainer:
             out[key] = sum(values) if key in summed else sum(values) / len(values)
         out["perf/rollout_idle_ratio"] = out.get("rollout/idle_ratio", 0.0)
         return out
+
+    def _publish_status(self, m: dict[str, Any]) -> None:
+        """What `asyncrl.ctl status` prints."""
+        keys = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "rollout/turns_mean", "perf/step_s",
+                "perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio", "buffer/size_groups",
+                "buffer/staleness_mean", "perf/weight_sync_s", "verifier/version")
+        self.topo.coordinator.set_status.remote({
+            "step": self.step, "max_steps": self.cfg.trainer.max_steps, "rollout_actors": sorted(self.topo.actors),
+            "verifier_version": self.cfg.verifier.version, "run_dir": str(self.run_dir),
+            "latest": {k: m[k] for k in keys if k in m}})
 
     # ------------------------------------------------------------------ actors
     def _start_loop(self, actor_id: str) -> None:
@@ -247,7 +280,7 @@ class Trainer:
 
         new = VerifierConfig.model_validate(verifier)
         cfg = self.cfg.model_copy(update={"verifier": new})
-        report = swap_verifier(cfg)
+        report = swap_verifier(cfg).to_dict()
         if report.get("ok"):
             self.cfg = cfg
         return report
@@ -359,6 +392,7 @@ def _batch_metrics(groups: list[Any], lags: list[int], max_staleness: int) -> di
     out["buffer/staleness_max"] = max(lags, default=0)
     versions = sorted({s.verifier_version for s in samples})
     out["verifier/versions_in_batch"] = ",".join(versions)
+    out["train/prompt_indices"] = sorted(int(g.metadata.get("prompt_index", -1)) for g in groups)
     return out
 
 
@@ -395,10 +429,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     if before or after:
         lines.append(f"{'':24}{'before':>12}{'after':>12}{'change':>12}")
         for key in EVAL_KEYS:
-            if key in before or key in after:
-                b, a = before.get(key), after.get(key)
-                change = f"{a - b:+.3f}" if isinstance(a, float) and isinstance(b, float) else ""
-                lines.append(f"{key:24}{b if b is None else f'{b:.3f}':>12}{a if a is None else f'{a:.3f}':>12}{change:>12}")
+            b, a = before.get(key), after.get(key)
+            if not isinstance(b, (int, float)) and not isinstance(a, (int, float)):
+                continue
+            fmt = (lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-")  # noqa: E731
+            change = f"{a - b:+.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
+            lines.append(f"{key:24}{fmt(b):>12}{fmt(a):>12}{change:>12}")
     lines.append(f"steps {summary.get('steps')}  wall {summary.get('wall_s', 0):.0f}s  trained tokens/s "
                  f"{summary.get('trained_tokens_per_s', 0):.0f}  weight sync {summary.get('weight_sync_s', 0):.1f}s")
     if summary.get("staleness_hist"):
