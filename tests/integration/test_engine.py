@@ -173,13 +173,16 @@ def test_broadcast_perturbed_weights_into_engine(setup):
 def test_late_joiner_catches_up_from_weight_store(setup):
     import ray
 
-    from asyncrl.learner.weights import pack_buckets, publish_weights
+    from asyncrl.learner.weights import WeightSender
 
     s = setup
     ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine-weights", log_to_driver=False)
     try:
         newer = perturbed(s.hf, 0.05, seed=2)
-        publish_weights(list(pack_buckets(newer.named_parameters(), 2**16)), 5)
+        publisher = WeightSender(SimpleNamespace(bucket_mb=0.06, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
+                                 publish=True)  # no members: the learner publishes, nobody listens yet
+        assert publisher.broadcast(newer.named_parameters(), 5).published
+        publisher.close()
         res = s.lt.run(s.engine.load_weights_from_store())
         assert res["status"] == "ok" and s.engine.version == 5
         assert s.lt.run(s.engine.load_weights_from_store())["status"] == "up_to_date"

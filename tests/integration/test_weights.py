@@ -10,6 +10,7 @@ dropped member that comes back rejoins and receives the next version; the Weight
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import time
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ import torch
 from asyncrl.learner.weights import WeightSender, fetch_weights, pack_buckets, unpack_bucket
 
 pytestmark = pytest.mark.integration
-TIMEOUT = 3.0
+TIMEOUT = 5.0  # generous: the shared 2-core machine can starve a process for seconds
 
 
 def cfg(bucket_mb: float = 0.05, timeout_s: float = TIMEOUT) -> SimpleNamespace:
@@ -52,7 +53,9 @@ def receiver_main(address: str, member: str, actions: list, q) -> None:
         if action == "recv":
             res = rec.receive(None, timeout_s=4 * TIMEOUT)
             tensors = {n: t.clone() for n, t in res.pop("tensors", None) or []}
-            q.put((member, res["status"], res["version"], tensors))
+            buf = io.BytesIO()  # by value: torch's fd sharing breaks once this process has exited
+            torch.save(tensors, buf)
+            q.put((member, res["status"], res["version"], buf.getvalue()))
         elif action == "enter_and_hang":
             assert rec._join(time.monotonic() + 4 * TIMEOUT)
             rec.store.set(f"asyncrl_w/g{rec.generation}/r1/enter/{member}", "1")
@@ -75,8 +78,8 @@ def start(sender: WeightSender, plans: dict[str, list]):
 def collect(q, n: int) -> dict[str, tuple]:
     out = {}
     for _ in range(n):
-        member, status, version, tensors = q.get(timeout=60)
-        out.setdefault(member, []).append((status, version, tensors))
+        member, status, version, payload = q.get(timeout=60)
+        out.setdefault(member, []).append((status, version, torch.load(io.BytesIO(payload))))
     return out
 
 
@@ -190,6 +193,30 @@ def test_member_hung_inside_collective_is_dropped():
     sender.close()
 
 
+def test_scaling_adds_and_removes_members():
+    # a is in the group from the start; b is added by scaling (add_receivers) before round 2;
+    # then a is removed (scale down): round 3 goes to b only, and a's pending receive ends.
+    sender = WeightSender(cfg(), members=["a"])
+    q, procs = start(sender, {"a": ["recv", "recv", "recv"], "b": ["recv", "recv", "recv"]})
+    assert sender.broadcast(state_dict(1).items(), 1).acked == ["a"]
+    got = collect(q, 2)  # b is not a member yet: told so at once (it would catch up from the store)
+    assert got["a"][0][:2] == ("ok", 1) and got["b"][0][0] == "not_member"
+    sender.add_receivers(["b"])
+    report = sender.broadcast(state_dict(2).items(), 2)
+    assert sorted(report.acked) == ["a", "b"] and report.rebuilds == 1
+    got = collect(q, 2)
+    assert got["a"][0][:2] == ("ok", 2) and got["b"][0][:2] == ("ok", 2)
+    sender.remove_receivers(["a"])
+    report = sender.broadcast(state_dict(3).items(), 3)
+    assert report.acked == ["b"] and report.members == ["b"] and not report.dropped
+    got = collect(q, 2)
+    assert got["b"][0][:2] == ("ok", 3) and got["a"][0][0] == "not_member"
+    for p in procs:
+        p.join(10)
+    sender.close()
+
+
+@pytest.mark.slow  # ~20 s of Ray start-up; test_engine.py covers publish + fetch in the default suite
 def test_weight_store_serves_late_joiner():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, namespace="test-weights-store", log_to_driver=False)
