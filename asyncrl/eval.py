@@ -113,7 +113,7 @@ def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: 
 
 def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode, *, task: str = "arith",
                       max_turns: int = 4, max_tokens: int = 64, temperature: float = 0.0,
-                      max_prompt_length: int | None = 256, seed: int = 0,
+                      max_prompt_length: int | None = 256,
                       return_conversations: bool = False) -> dict:
     """Lock-step turns over all conversations with an offline `vllm.LLM` (one batched call per turn)."""
     from vllm import SamplingParams
@@ -133,8 +133,10 @@ def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode
             if not isinstance(s, GenerateStep):
                 c.on_verified(verify(s.messages))
         if gen:
-            params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, detokenize=False,
-                                     seed=None if temperature == 0 else seed + i) for i in range(len(gen))]
+            # No per-request seed: on vLLM's CPU build a seeded request whose prefill is chunked
+            # kills the engine ("CPU Generator does not use offset"); sampling (temperature > 0)
+            # is seeded by the engine's global seed (`build_llm(seed=...)`) instead.
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, detokenize=False)
             outs = llm.generate([TokensPrompt(prompt_token_ids=s.prompt_ids) for _, s in gen], params, use_tqdm=False)
             for (c, _), o in zip(gen, outs, strict=True):
                 c.on_generated(list(o.outputs[0].token_ids), None, 0, str(o.outputs[0].finish_reason))

@@ -70,9 +70,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="assets/tiny-policy")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dialogues", type=int, default=60000, help="synthetic dialogues generated")
+    p.add_argument("--dialogues", type=int, default=60000, help="synthetic dialogues generated (0 = steps x batch size)")
     p.add_argument("--solver-fraction", type=float, default=0.3)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--hidden", type=int, default=128)
@@ -100,7 +100,8 @@ def main() -> None:
 
     # Problems from the train split only (hash-disjoint from val/test), a different seed than the
     # shipped train.jsonl so the RL prompts are not memorised verbatim.
-    problems = [r["problem"] for r in generate_split("train", a.dialogues, seed=1000 + a.seed)]
+    n_dialogues = a.dialogues or a.steps * a.batch_size
+    problems = [r["problem"] for r in generate_split("train", n_dialogues, seed=1000 + a.seed)]
     dialogues = [
         synth_dialogue(pr, rng, "solver" if rng.random() < a.solver_fraction else "guided") for pr in problems
     ]
