@@ -88,3 +88,29 @@ def test_vllm_matches_transformers_and_recorded_accuracy(tok):
     # greedy and fp32: only batch-dependent rounding in vLLM can move a few conversations
     assert abs(got["accuracy"] - recorded["guided_accuracy"]) <= 0.03, (got, recorded)
     assert got["mean_turns"] > 1.0
+
+
+def test_evaluate_async_with_a_transformers_engine(tok):
+    """`asyncrl.eval.evaluate_async` drives any async generate(prompt_ids, seed); here the
+    shipped policy greedy in transformers, guided and solver-only, on 6 test problems."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.eval import evaluate_async, load_split
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+
+    async def generate(prompt_ids, seed):
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=64, do_sample=False)[0, len(prompt_ids):]
+        ids = out.tolist()
+        return ids, None, 0, "stop" if ids[-1] == tok.eos_token_id else "length"
+
+    rows = load_split("arith", "test")[:6]
+    for mode in ("guided", "solver"):
+        res = asyncio.run(evaluate_async(generate, tok, rows, mode, concurrency=1))
+        assert res["n"] == 6 and sum(res["finish_reasons"].values()) == 6
+        assert 1 <= res["mean_turns"] <= 4 and 0 <= res["accuracy"] <= 1
+        assert (res["mean_verifier_tokens"] > 0) == (mode == "guided")
