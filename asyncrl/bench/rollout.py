@@ -168,8 +168,8 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
     if cfg.verifier.backend != "rule" and cfg.rollout.guide.enable:
         raise ValueError("bench rollout runs the rule verifier in-process; set verifier.backend=rule")
     cfg = cfg.model_copy(deep=True)
-    rounds = int(os.environ.get("ASYNCRL_BENCH_ROUNDS", 1 if smoke else 4))
-    groups = int(os.environ.get("ASYNCRL_BENCH_GROUPS", 2 if smoke else 16))
+    rounds = int(os.environ.get("ASYNCRL_BENCH_ROUNDS", 1 if smoke else 8))
+    groups = int(os.environ.get("ASYNCRL_BENCH_GROUPS", 2 if smoke else 8))
     if smoke:  # seconds, not minutes: few short conversations
         cfg.rollout.n = min(cfg.rollout.n, 2)
         cfg.data.max_response_length = min(cfg.data.max_response_length, 16)

@@ -11,8 +11,12 @@ model_bytes / sync_bytes_per_s` — calibrated from an `e2e` JSON when one is gi
 (`--calibration FILE`), else from defaults measured on the quick start.
 
 Scaling efficiency = measured trained groups/s ÷ what the latency model allows
-(min(rollout capacity, learner capacity)), per cell, so the knee where the learner saturates and
-the cost of our own machinery (buffer, tickets, Ray) are both visible.
+(min(rollout capacity, learner capacity, the staleness bound's pipeline capacity
+(η + 1)·B / (T + L) with T = train + sync, L = sync + generation)), per cell, so the knee where
+the learner saturates and the cost of our own machinery (buffer, tickets, Ray) are both visible. Weak scaling: a cell with A actors
+uses B = max(data.rollout_batch_size, A) groups per batch (with a fixed small B, admission would
+idle all but B actors). Cells whose model step exceeds STEP_S run on a faster clock (`time_scale`);
+rates are reported in the model's time.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 
 from asyncrl.bench.common import print_table
 
+STEP_S = 1.0  # longest simulated step (train or generate) in wall seconds; longer ones run time-scaled
 DEFAULT_MODEL = {
     "tokens_per_sample": 256,      # policy + feedback tokens per trajectory
     "prompt_tokens": 64,
@@ -175,20 +180,28 @@ def run_cell(actors: int, ranks: int, staleness: int, model: dict[str, float], *
         learner.close()
         stats = server.stats()
         server.stop()
-    # What the latency model allows (groups/s): rollout capacity vs learner capacity.
+    # What the latency model allows (groups/s): rollout capacity, learner capacity, and the
+    # staleness bound's pipeline. Admission issues batch k's tickets when the learner asks for
+    # batch k-1-η, so with T = train + sync and L = engine sync + generation per group,
+    # t_get(k) = max(t_get(k-1) + T, t_get(k-1-η) + T + L): a step takes max(T, (T + L)/(η + 1)).
     gen_group_s = scale * (model["gen_overhead_s"] + n * model["tokens_per_sample"] / model["gen_tokens_per_s"])
     rollout_cap = actors / gen_group_s
     learner_cap = batch / (train_s + sync_s)
-    allowed = min(rollout_cap, learner_cap)
+    admission_cap = (staleness + 1) * batch / (train_s + sync_s + gen_group_s + sync_s)
+    caps = {"rollout": rollout_cap, "learner": learner_cap, "admission": admission_cap}
+    allowed = min(caps.values())
     measured = trained / max(elapsed, 1e-9)
     hist = np.bincount(np.asarray(lags, dtype=np.int64), minlength=staleness + 1).tolist() if lags else []
     return {
         "simulated": True, "rollout_actors": actors, "learner_ranks": ranks, "max_staleness": staleness,
-        "groups_per_s": measured, "model_groups_per_s": allowed, "scaling_efficiency": measured / allowed,
-        "rollout_capacity_groups_per_s": rollout_cap, "learner_capacity_groups_per_s": learner_cap,
+        # rates in model time (the cell ran `scale` times faster than the latency model's clock)
+        "groups_per_s": measured * scale, "model_groups_per_s": allowed * scale, "scaling_efficiency": measured / allowed,
+        "rollout_capacity_groups_per_s": rollout_cap * scale, "learner_capacity_groups_per_s": learner_cap * scale,
+        "admission_capacity_groups_per_s": admission_cap * scale, "binding": min(caps, key=caps.get),
+        "batch_groups": batch, "time_scale": scale,
         "learner_bound": learner_cap < rollout_cap, "learner_idle_ratio": wait_s / max(elapsed, 1e-9),
         "steps": version, "staleness_hist": hist, "buffer_dropped_stale": stats.get("buffer/dropped_stale", 0.0),
-        "trained_tokens_per_s_sim": measured * n * model["tokens_per_sample"] / scale,
+        "trained_tokens_per_s_sim": measured * scale * n * model["tokens_per_sample"],
     }
 
 
@@ -202,7 +215,6 @@ def run(cfg, args) -> dict[str, Any]:
     fleet = [1, 4] if smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256]
     ranks_list = [1] if smoke else [1, 8, 64]
     seconds = 2.0 if smoke else 10.0
-    scale = 1.0
     staleness = cfg.buffer.max_staleness
     batch = cfg.data.rollout_batch_size
     n = cfg.rollout.n
@@ -214,11 +226,19 @@ def run(cfg, args) -> dict[str, Any]:
     try:
         for ranks in ranks_list:
             for actors in fleet:
-                cell = run_cell(actors, ranks, staleness, model, batch=batch, n=n, seconds=seconds, scale=scale)
+                # Weak scaling: the batch grows with the fleet (B >= actors), else admission
+                # ((η + 1)·B groups issued) would idle all but B actors; time runs `scale` times
+                # faster when a model step would exceed STEP_S, so large cells fit the window.
+                b = max(batch, actors)
+                train_s = b * n * model["tokens_per_sample"] / (
+                    model["train_tokens_per_s"] * (1 + (ranks - 1) * model["rank_efficiency"]))
+                gen_s = model["gen_overhead_s"] + n * model["tokens_per_sample"] / model["gen_tokens_per_s"]
+                scale = min(1.0, STEP_S / max(train_s, gen_s))
+                cell = run_cell(actors, ranks, staleness, model, batch=b, n=n, seconds=seconds, scale=scale)
                 cells.append(cell)
                 print(f"  [simulated] ranks {ranks:3d} actors {actors:4d}: {cell['groups_per_s']:.2f} groups/s "
                       f"(model {cell['model_groups_per_s']:.2f}, efficiency {cell['scaling_efficiency']:.2f}"
-                      f"{', learner-bound' if cell['learner_bound'] else ''})")
+                      f", bound: {cell['binding']}{', learner-bound' if cell['learner_bound'] else ''})")
     finally:
         if started:
             ray.shutdown()
