@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 
-def _bench(scenario: str, out: Path, *extra: str, timeout: int = 300) -> dict[str, Any]:
+def _bench(scenario: str, out: Path, *overrides: str, config: Path | None = None, timeout: int = 300) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.bench", scenario, "--smoke", "--output", str(out), *extra],
+    # overrides right after the scenario: argparse takes the positionals in one run
+    cmd = [sys.executable, "-m", "asyncrl.bench", scenario, *overrides, "--smoke", "--output", str(out)]
+    proc = subprocess.run(cmd + (["--config", str(config)] if config else []),
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     (path,) = out.glob(f"{scenario}-*.json")
@@ -118,7 +120,7 @@ def test_sweep_json_from_cells() -> None:
 # ---------------------------------------------------------------------- vLLM / whole topology (slow)
 @pytest.mark.slow
 def test_rollout_smoke(tmp_path: Path) -> None:
-    r = _bench("rollout", tmp_path, "--config", str(QUICKSTART), timeout=900)
+    r = _bench("rollout", tmp_path, config=QUICKSTART, timeout=900)
     (rnd,) = r["rounds"]
     assert rnd["policy_tokens"] > 0 and rnd["requests"] >= 2 * r["settings"]["n"]
     assert rnd["ratio"] == pytest.approx(rnd["actor_tokens_per_s"] / rnd["bare_tokens_per_s"])
@@ -129,8 +131,7 @@ def test_rollout_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_e2e_smoke(tmp_path: Path) -> None:
-    r = _bench("e2e", tmp_path, "--config", str(QUICKSTART), f"trainer.run_dir={tmp_path / 'runs'}",
-               timeout=1500)
+    r = _bench("e2e", tmp_path, f"trainer.run_dir={tmp_path / 'runs'}", config=QUICKSTART, timeout=1500)
     assert r["speedup"] > 0 and r["ideal_speedup"] >= 1.0
     assert r["sync"]["max_staleness"] == 0 and r["async"]["max_staleness"] >= 1
     assert max((i for i, c in enumerate(r["sync"]["staleness_hist"]) if c), default=0) == 0  # sync: lag 0 only
@@ -138,6 +139,5 @@ def test_e2e_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sweep_smoke(tmp_path: Path) -> None:
-    r = _bench("sweep", tmp_path, "--config", str(QUICKSTART), f"trainer.run_dir={tmp_path / 'runs'}",
-               timeout=1800)
+    r = _bench("sweep", tmp_path, f"trainer.run_dir={tmp_path / 'runs'}", config=QUICKSTART, timeout=1800)
     assert len(r["cells"]) == len(r["actors"]) * len(r["staleness"]) and r["ratio"] > 0
