@@ -183,7 +183,7 @@ class PolicyEngine:
     async def load_named_tensors(self, weights: WeightsInput, version: int) -> dict[str, Any]:
         """Load (name, tensor) pairs, buckets of them, or packed `(manifest, flat)` buckets into
         the engine through a private loopback gloo group (same path as the broadcast)."""
-        cfg = SimpleNamespace(bucket_mb=self.weight_bucket_mb, backend="gloo",
+        cfg = SimpleNamespace(bucket_mb=self.weight_bucket_mb, gloo_bucket_mb=16.0, backend="gloo",
                               timeout_s=self.weight_timeout_s, host="127.0.0.1")
         prefix = f"{self.engine_id}-local"
         sender = WeightSender(cfg, port=0, members=self.weight_member_ids(prefix))

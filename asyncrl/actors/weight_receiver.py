@@ -58,6 +58,7 @@ class WeightReceiver:
         self.generation = -1
         self.dead_generation = 0  # generations at or below this one are aborted/broken for us
         self.pg: Any = None
+        self.buffer_device = torch.device("cpu")
         self.seq = 0
         self.version = -1
         self._requested_gen = -1
@@ -110,8 +111,10 @@ class WeightReceiver:
                 self.dead_generation = g
                 continue
             rank = plan["members"].index(self.member_id) + 1
-            device = self.device if plan["backend"] == "nccl" else None
-            self.pg = make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s, device)
+            nccl = plan["backend"] == "nccl"
+            self.buffer_device = self.device if nccl else torch.device("cpu")  # gloo: host buffers
+            self.pg = make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s,
+                                 self.device if nccl else None)
             self.generation, self.seq = g, 0
             return True
 
@@ -176,7 +179,7 @@ class WeightReceiver:
             if header.get("end"):
                 stats["end"] = header
                 return
-            buf = torch.empty(header["numel"], dtype=dtype_from_name(header["dtype"]), device=self.device)
+            buf = torch.empty(header["numel"], dtype=dtype_from_name(header["dtype"]), device=self.buffer_device)
             self.pg.broadcast([buf]).wait()
             self.store.set(f"{PREFIX}/{rk}/progress/{self.member_id}", str(i))
             stats["bytes"] += buf.numel() * buf.element_size()

@@ -168,11 +168,12 @@ def _interleaved(fns: list, repeats: int) -> list[dict[str, float]]:
 def run(cfg: Any, args: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     smoke = bool(getattr(args, "smoke", False))
-    bucket_mb = cfg.learner.weights.bucket_mb
+    wcfg = cfg.learner.weights
+    bucket_mb = min(wcfg.bucket_mb, wcfg.gloo_bucket_mb)  # what WeightSender uses on gloo
     name, policy = policy_state(cfg)
     sizes = [(name, policy), ("1M", synthetic_state(10**6, hidden=256)), ("4M", synthetic_state(4 * 10**6, hidden=256))] \
         if smoke else [(name, policy), ("100M", synthetic_state(10**8)), ("500M", synthetic_state(5 * 10**8))]
-    sweep_mb = [0.25, 1.0, 4.0] if smoke else [16.0, 64.0, 256.0, 1024.0]
+    sweep_mb = [0.25, 1.0, 4.0] if smoke else [4.0, 16.0, 64.0, 256.0]
     repeats = 1 if smoke else 3
     cases, sweep, version = [], [], 0
     rig = Rig(2, bucket_mb)

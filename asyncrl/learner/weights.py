@@ -156,8 +156,11 @@ class WeightSender:
 
     def __init__(self, cfg: Any, port: int = 0, *, publish: bool = False, store_name: str = "WeightStore",
                  members: Iterable[str] = ()) -> None:
-        self.bucket_bytes = max(1, int(cfg.bucket_mb * 2**20))
         self.backend = resolve_backend(cfg.backend)
+        bucket_mb = cfg.bucket_mb
+        if self.backend == "gloo":  # small buckets pipeline far better on gloo (see WeightSyncConfig)
+            bucket_mb = min(bucket_mb, getattr(cfg, "gloo_bucket_mb", bucket_mb))
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = float(cfg.timeout_s)
         self.host = cfg.host
         self.store = make_store(self.host, port, is_master=True, timeout_s=self.timeout_s)

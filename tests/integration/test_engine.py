@@ -22,6 +22,8 @@ import torch
 pytestmark = pytest.mark.integration
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]  # <|im_start|> user \n 3 + 5 <|im_end|> \n <|im_start|> assistant \n
+QUICKSTART = Path(__file__).resolve().parents[2] / "assets" / "tiny-policy"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -92,7 +94,15 @@ def setup(tmp_path_factory):
     from asyncrl.config import RolloutConfig
 
     torch.set_num_threads(1)
-    path = build_tiny_qwen(tmp_path_factory.mktemp("tiny") / "policy")
+    if (QUICKSTART / "model.safetensors").exists():  # the quick-start policy (untied Qwen2)
+        from transformers import AutoTokenizer
+
+        path = QUICKSTART
+        ids = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            [{"role": "user", "content": "What is 3 + 5?"}], add_generation_prompt=True, tokenize=True)
+        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    else:
+        path, prompt = build_tiny_qwen(tmp_path_factory.mktemp("tiny") / "policy"), PROMPT
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=16, max_num_batched_tokens=1024)
     lt = LoopThread()
@@ -101,17 +111,17 @@ def setup(tmp_path_factory):
         return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30)
 
     engine = lt.run(make())
-    yield SimpleNamespace(engine=engine, hf=hf, lt=lt, path=path)
+    print(f"\nengine on {path} (prompt of {len(prompt)} tokens)")
+    yield SimpleNamespace(engine=engine, hf=hf, lt=lt, path=path, prompt=prompt)
     engine.shutdown()
     lt.loop.call_soon_threadsafe(lt.loop.stop)
 
 
-PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]  # <|im_start|> user \n 3 + 5 <|im_end|> \n <|im_start|> assistant \n
 
 
 def sample_many(s, n: int, seed0: int, temperature: float = 1.0, max_tokens: int = 24):
     async def go():
-        return await asyncio.gather(*[s.engine.generate(PROMPT, max_tokens, temperature, seed=seed0 + i)
+        return await asyncio.gather(*[s.engine.generate(s.prompt, max_tokens, temperature, seed=seed0 + i)
                                       for i in range(n)])
     return s.lt.run(go())
 
@@ -119,7 +129,7 @@ def sample_many(s, n: int, seed0: int, temperature: float = 1.0, max_tokens: int
 def max_logprob_diff(s, model, gens, temperature: float = 1.0) -> float:
     worst = 0.0
     for g in gens:
-        ref = hf_logprobs(model, PROMPT, g.token_ids, temperature)
+        ref = hf_logprobs(model, s.prompt, g.token_ids, temperature)
         worst = max(worst, float((ref - torch.tensor(g.logprobs)).abs().max()))
     return worst
 
@@ -133,6 +143,7 @@ def test_behaviour_logprobs_match_transformers_and_seeds_differ(setup):
     print(f"\nmax |logprob_vllm - logprob_hf| original weights: {diff:.2e}")
     assert diff < 1e-4
     distinct = {tuple(g.token_ids) for g in gens}
+    print(f"{len(distinct)} distinct samples of 8")
     assert len(distinct) >= 6, distinct  # 8 seeds -> (almost) all different samples
     again = sample_many(s, 1, seed0=100)[0]
     assert again.token_ids == gens[0].token_ids  # a seed reproduces its sample
@@ -212,7 +223,7 @@ def test_in_flight_update_stamps_both_versions(setup):
             if n >= 20:
                 started.set()
 
-        longs = [asyncio.ensure_future(s.engine.generate(PROMPT, 240, 1.0, seed=11 + i, ignore_eos=True,
+        longs = [asyncio.ensure_future(s.engine.generate(s.prompt, 200, 1.0, seed=11 + i, ignore_eos=True,
                                                          on_tokens=progress)) for i in range(4)]
         await asyncio.wait_for(started.wait(), 60)  # update once >= 20 tokens exist
         t = threading.Thread(target=sender.broadcast, args=(new.named_parameters(), old_v + 1))
@@ -225,10 +236,10 @@ def test_in_flight_update_stamps_both_versions(setup):
     assert res["status"] == "ok" and s.engine.version == old_v + 1
     switches = []
     for g in gens:
-        assert len(g.token_ids) == 240 and g.finish_reason == "length"
+        assert len(g.token_ids) == 200 and g.finish_reason == "length"
         switch = g.versions.index(old_v + 1) if old_v + 1 in g.versions else len(g.versions)
         assert g.versions == [old_v] * switch + [old_v + 1] * (len(g.versions) - switch)
         switches.append(switch)
-    print(f"\nin-flight update: switched after {switches} of 240 tokens ({res['seconds']:.3f}s paused)")
-    assert any(0 < sw < 240 for sw in switches)
+    print(f"\nin-flight update: switched after {switches} of 200 tokens ({res['seconds']:.3f}s paused)")
+    assert any(0 < sw < 200 for sw in switches)
     sender.close()
