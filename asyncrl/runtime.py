@@ -121,6 +121,21 @@ class Topology:
             self.coordinator = None
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on an unreachable `host:port` (ray.init would retry for minutes)."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    if target == "auto" or ":" not in target:
+        return
+    host, port = target.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"cluster.ray_address={address!r} is unreachable: {exc}") from None
+
+
 def ray_init(cfg: Config, namespace: str) -> None:
     import ray
 
@@ -132,6 +147,7 @@ def ray_init(cfg: Config, namespace: str) -> None:
                         "TORCH_CPP_LOG_LEVEL": "ERROR",
                         "PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
     if cfg.cluster.ray_address:
+        _check_reachable(cfg.cluster.ray_address)
         try:
             ray.init(address=cfg.cluster.ray_address, namespace=namespace, runtime_env=env, logging_level="WARNING")
         except Exception as exc:
@@ -176,6 +192,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
                 say(f"  buffer restored from {snap}: {restored} group(s)")
         with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
             topo.verifier = deploy_verifier(cfg)
+            if cfg.rollout.guide.enable:
+                probe_verifier(cfg)
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
             topo.learner = LearnerGroup(cfg)
             if resume:
@@ -195,6 +213,23 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         topo.shutdown()
         raise
     return topo
+
+
+def probe_verifier(cfg: Config) -> None:
+    """One real request through the service before anything trains, so an unreachable HTTP
+    verifier (or a broken model) fails the launch with its error instead of every conversation."""
+    import asyncio
+
+    from asyncrl.actors.guided import render_verifier_messages
+    from asyncrl.serve.client import VerifierClient
+
+    client = VerifierClient(cfg.verifier, app_name="verifier")
+    messages = render_verifier_messages("1 + 1", "2", ["1 + 1 = 2\n<answer>\\boxed{2}</answer>"],
+                                        cfg.rollout.guide.prompt_template)
+    result = asyncio.run(client.chat(messages, max_tokens=16, temperature=0.0, top_p=1.0))
+    if not result.ok:
+        where = cfg.verifier.http.base_url if cfg.verifier.backend == "http" else cfg.verifier.backend
+        raise StartupError(f"the verifier ({where}) did not answer a probe request: {result.error}")
 
 
 def start_actors(topo: Topology, count: int, timeout: float) -> list[str]:
