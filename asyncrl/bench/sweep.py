@@ -2,11 +2,13 @@
 
 Each cell is one real run (asyncrl.bench.e2e.measure) with `rollout.num_actors = a` and
 `buffer.max_staleness = s`; the same figures per cell as `e2e`, plus a heat map of trained
-tokens/s. `--actors 1,2,4 --staleness 0,1,2` choose the grid (defaults fit a 2-core machine).
+tokens/s. env `ASYNCRL_BENCH_ACTORS=1,2,4 ASYNCRL_BENCH_STALENESS=0,1,2` choose the grid (defaults fit a
+2-core machine: 1,2 x 0,1,2), `ASYNCRL_BENCH_STEPS` the steps per cell (8).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,12 @@ from asyncrl.config import Config
 
 def run(cfg: Config, args) -> dict[str, Any]:
     smoke = getattr(args, "smoke", False)
-    actors = [1] if smoke else [1, 2]
-    staleness = [0, 1] if smoke else [0, 1, 2]
-    steps, warmup = (2, 0) if smoke else (8, 2)
+    grid = (lambda key, default: [int(x) for x in os.environ[key].split(",")] if os.environ.get(key) else default)  # noqa: E731
+    actors = grid("ASYNCRL_BENCH_ACTORS", [1] if smoke else [1, 2])
+    staleness = grid("ASYNCRL_BENCH_STALENESS", [0, 1] if smoke else [0, 1, 2])
+    if 0 not in staleness:
+        staleness = [0, *staleness]  # the synchronous baseline cell of `ratio`
+    steps, warmup = (2, 0) if smoke else (int(os.environ.get("ASYNCRL_BENCH_STEPS", 8)), 2)
     cells = []
     for a in actors:
         for s in staleness:
