@@ -56,8 +56,10 @@ class MetricLogger:
                 s = _scalar(value)
                 if s is not None:
                     self._tb.add_scalar(key, s, step)
-                elif isinstance(value, (list, tuple)) and value and all(_scalar(v) is not None for v in value):
-                    self._tb.add_histogram(key, _expand_hist(value), step)
+                elif key.endswith("_hist") and isinstance(value, (list, tuple)) and value:
+                    import numpy as np
+
+                    self._tb.add_histogram(key, np.asarray(_expand_hist(value)), step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if _scalar(v) is not None}, step=step)
