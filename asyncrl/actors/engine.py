@@ -99,6 +99,10 @@ class PolicyEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
             gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
             logprobs_mode=logprobs_mode, disable_log_stats=True,
+            # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
+            # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
+            # token budget instead, and per-request seeds stay safe.
+            enable_chunked_prefill=self.on_gpu,
         )
         self.llm = AsyncLLM.from_engine_args(args)
         self._update_lock = asyncio.Lock()
