@@ -73,7 +73,11 @@ class PolicyEngine:
                  max_model_len: int | None = None, seed: int = 0, tokenizer_path: str | None = None,
                  weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
                  store_name: str = "WeightStore", logprobs_mode: str = "processed_logprobs",
-                 version: int = 0, weight_buffered: bool | None = None) -> None:
+                 version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
+                 limit_images: int = 0) -> None:
+        """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
+        (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
+        every weight load also resets vLLM's multimodal and encoder caches."""
         import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -92,13 +96,19 @@ class PolicyEngine:
         self.weight_timeout_s = weight_timeout_s
         self.weight_bucket_mb = weight_bucket_mb
         self.store_name = store_name
+        self.vl = vl
+        mm_kwargs: dict[str, Any] = {}
+        if vl:
+            from asyncrl.vision import vllm_mm_engine_kwargs
+
+            mm_kwargs = vllm_mm_engine_kwargs(limit_images)
         args = AsyncEngineArgs(
             model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype, seed=seed,
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
             gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
-            logprobs_mode=logprobs_mode, disable_log_stats=True,
+            logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
             # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
             # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
             # token budget instead, and per-request seeds stay safe.
@@ -112,9 +122,14 @@ class PolicyEngine:
                        top_p: float = 1.0, top_k: int = -1, seed: int | None = None, *,
                        stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                        request_id: str | None = None,
-                       on_tokens: Callable[[int], None] | None = None) -> Generation:
+                       on_tokens: Callable[[int], None] | None = None,
+                       multi_modal_data: dict[str, Any] | None = None,
+                       logit_bias: dict[int, float] | None = None) -> Generation:
         """Sample one response. `on_tokens(n)` (optional) is called with the number of tokens
-        so far after every engine step that produced some (streaming progress)."""
+        so far after every engine step that produced some (streaming progress). VL prompts:
+        `prompt_ids` are the COLLAPSED ids (one placeholder per image, `vision.vllm_prompt`; never
+        the processor-expanded ones) and `multi_modal_data` = {"image": [PIL images]};
+        `logit_bias` {token: bias} is added to the logits before temperature."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -122,8 +137,11 @@ class PolicyEngine:
             n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             logprobs=0, output_kind=RequestOutputKind.DELTA, ignore_eos=ignore_eos,
             stop_token_ids=list(stop_token_ids or []), detokenize=False, skip_special_tokens=False,
+            **({"logit_bias": dict(logit_bias)} if logit_bias else {}),
         )
         prompt = {"prompt_token_ids": [int(t) for t in prompt_ids], "cache_salt": f"v{self.version}"}
+        if multi_modal_data is not None:
+            prompt["multi_modal_data"] = multi_modal_data
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -157,6 +175,9 @@ class PolicyEngine:
                 if result["status"] == "ok":
                     self.version = int(result["version"])
                     await self.reset_prefix_cache()
+                    if self.vl:  # vLLM bug: a cached image of the old weights -> "Encoder cache miss"
+                        await self.llm.reset_mm_cache()
+                        await self.llm.reset_encoder_cache()
             finally:
                 await self.llm.resume_generation()
             result["seconds"] = time.perf_counter() - t0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,15 +28,51 @@ from asyncrl.config import Config
 from asyncrl.protocol import Group, Sample
 
 
-def make_generate(cfg: Config, engine: Any, *, overrides: dict[str, Any] | None = None):
-    """`generate(prompt_ids, seed)` for the guided driver, with the rollout's sampling settings."""
+@dataclass
+class VLContext:
+    """What a rollout actor of a vision-language policy (Qwen-VL) holds besides the text pieces:
+    the HF processor, the placeholder ban (`multimodal.vision_logit_bias`, the same bias the
+    learner applies before its softmax) and the image placeholder id. None for text policies."""
+
+    processor: Any
+    logit_bias: dict[int, float]
+    image_token_id: int
+
+
+class PromptTooLong(Exception):
+    """A VL prompt whose processor-expanded ids exceed `data.max_prompt_length`: the caller drops
+    it (completes it at the coordinator and counts it), since re-issuing it would fail forever."""
+
+
+def prepare_vl_prompt(cfg: Config, prompt: dict[str, Any], vl: VLContext) -> Any:
+    """`vision.build_vl_prompt` for one stream item (once per group: images aligned, loaded,
+    resized, PNG-round-tripped and processed ONCE; every turn of every conversation reuses them).
+    Raises PromptTooLong when the expanded prompt does not fit `data.max_prompt_length`."""
+    from asyncrl.vision import build_vl_prompt
+
+    vp = build_vl_prompt(prompt, vl.processor, cfg.data, cfg.rollout.limit_images, image_token_id=vl.image_token_id)
+    if len(vp.prompt_ids) > cfg.data.max_prompt_length:
+        raise PromptTooLong(f"prompt {prompt.get('uid')}: {len(vp.prompt_ids)} ids (images expanded) > "
+                            f"data.max_prompt_length={cfg.data.max_prompt_length}")
+    return vp
+
+
+def make_generate(cfg: Config, engine: Any, *, overrides: dict[str, Any] | None = None, vp: Any = None,
+                  logit_bias: dict[int, float] | None = None):
+    """`generate(prompt_ids, seed)` for the guided driver, with the rollout's sampling settings.
+    With a `vp` (vision.VLPrompt) every turn sends vLLM the collapsed ids + the prompt's PIL images
+    (the same objects every turn) and bans the placeholders with `logit_bias`."""
     r = cfg.rollout
     sampling = {"max_tokens": cfg.data.max_response_length, "temperature": r.temperature, "top_p": r.top_p,
                 "top_k": r.top_k}
     sampling.update({k: v for k, v in (overrides or {}).items() if k in sampling})
 
     async def generate(prompt_ids: list[int], seed: int | None):
-        g = await engine.generate(prompt_ids, seed=seed, **sampling)
+        if vp is not None:
+            ids, mm = vp.engine_inputs(prompt_ids)
+            g = await engine.generate(ids, seed=seed, multi_modal_data=mm, logit_bias=logit_bias, **sampling)
+        else:
+            g = await engine.generate(prompt_ids, seed=seed, **sampling)
         # One version per turn: the oldest that sampled any of its tokens (an in-flight update can
         # land mid-turn; the older version is the conservative one for the staleness bound).
         version = min(g.versions) if g.versions else engine.version
@@ -62,17 +99,31 @@ def guide_options(cfg: Config, training: bool) -> GuideOptions:
 
 async def run_guided_group(cfg: Config, prompt: dict[str, Any], engine: Any, verifier: Any, *, chat: PolicyChat,
                            training: bool = True, n: int | None = None,
-                           sampling_overrides: dict[str, Any] | None = None) -> list[Any]:
-    """The `n` conversations of one prompt, run concurrently; raises GroupDropped under drop_group."""
-    convs = make_group(prompt["messages"], chat=chat, options=guide_options(cfg, training), n=n or cfg.rollout.n,
-                       ground_truth=prompt.get("ground_truth"), base_seed=cfg.rollout.seed,
-                       prompt_index=int(prompt.get("index", 0)), prompt_uid=str(prompt.get("uid", "")))
+                           sampling_overrides: dict[str, Any] | None = None, vp: Any = None,
+                           vl: VLContext | None = None) -> list[Any]:
+    """The `n` conversations of one prompt, run concurrently; raises GroupDropped under drop_group.
+    VL policies pass `vp` (`prepare_vl_prompt`) and `vl`: conversations are built from the
+    verifier's view with the processor-expanded prompt ids (history=full)."""
+    if vp is not None:
+        convs = make_group(vp.verifier_messages, chat=chat, options=guide_options(cfg, training),
+                           n=n or cfg.rollout.n, ground_truth=prompt.get("ground_truth"), base_seed=cfg.rollout.seed,
+                           prompt_index=int(prompt.get("index", 0)), prompt_uid=str(prompt.get("uid", "")),
+                           prompt_ids=vp.prompt_ids)
+    else:
+        convs = make_group(prompt["messages"], chat=chat, options=guide_options(cfg, training), n=n or cfg.rollout.n,
+                           ground_truth=prompt.get("ground_truth"), base_seed=cfg.rollout.seed,
+                           prompt_index=int(prompt.get("index", 0)), prompt_uid=str(prompt.get("uid", "")))
     if not cfg.rollout.guide.enable:  # single-turn GRPO: no verifier in the loop
         async def verify(messages):  # noqa: ARG001 - stop after the only turn
             return {"ok": True, "text": cfg.rollout.guide.stop_token, "version": "none"}
     else:
         verify = make_verify(cfg, verifier)
-    return await run_group(convs, make_generate(cfg, engine, overrides=sampling_overrides), verify)
+    if vp is not None:
+        generate = make_generate(cfg, engine, overrides=sampling_overrides, vp=vp,
+                                 logit_bias=vl.logit_bias if vl is not None else None)
+    else:
+        generate = make_generate(cfg, engine, overrides=sampling_overrides)
+    return await run_group(convs, generate, verify)
 
 
 def reward_inputs(convs: list[Any], ground_truth: str | None) -> list[dict[str, Any]]:
@@ -92,8 +143,10 @@ async def score(reward_fn: Any, items: list[dict[str, Any]]) -> list[dict[str, f
 
 
 async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], reward_fn: Any, tokenizer: Any, *,
-                      actor_id: str, verifier: Any = None) -> tuple[Group, bool]:
-    """Score the conversations and pack them as a `Group`. Returns (group, dropped)."""
+                      actor_id: str, verifier: Any = None, vp: Any = None) -> tuple[Group, bool]:
+    """Score the conversations and pack them as a `Group`. Returns (group, dropped). With a `vp`
+    (VL) the group's metadata also carries the prompt's final images once (`images`: PNG bytes +
+    sha256, `vision.PreparedImages.to_wire`), which the learner decodes (`group_row_images`)."""
     scores = await score(reward_fn, reward_inputs(convs, prompt.get("ground_truth")))
     samples = []
     for conv, parts in zip(convs, scores):
@@ -107,8 +160,10 @@ async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], rew
             reward=float(parts["overall"]), reward_parts={k: float(v) for k, v in parts.items()},
             num_turns=conv.num_turns, finish_reason=str(conv.finish_reason),
             verifier_version=str(meta.get("verifier_version") or ""), metadata=_jsonable(meta)))
-    group = Group.from_samples(samples, created_at=time.time(), actor_id=actor_id,
-                               metadata={"prompt_index": int(prompt.get("index", -1))})
+    metadata: dict[str, Any] = {"prompt_index": int(prompt.get("index", -1))}
+    if vp is not None:
+        metadata["images"] = vp.images.to_wire()
+    group = Group.from_samples(samples, created_at=time.time(), actor_id=actor_id, metadata=metadata)
     return group, False
 
 
@@ -127,7 +182,7 @@ def _jsonable(value: Any) -> Any:
 
 
 async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, verifier: Any, *, chat: PolicyChat,
-                        mode: str = "both", max_concurrency: int = 32) -> dict[str, Any]:
+                        mode: str = "both", max_concurrency: int = 32, vl: VLContext | None = None) -> dict[str, Any]:
     """Greedy evaluation (rollout.val_override_config) of `rows` (PromptItem-like dicts with
     `messages` and `ground_truth`): guided (verifier in the loop, no reference unless
     verifier_sees_reference=always) and/or solver-only (one turn, no verifier)."""
@@ -141,8 +196,16 @@ async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, ve
         async with sem:
             c = cfg if guided else cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
                 "guide": cfg.rollout.guide.model_copy(update={"enable": False})})})
+            vp = None
+            if vl is not None:
+                try:
+                    vp = prepare_vl_prompt(c, row, vl)
+                except PromptTooLong:
+                    # counted as wrong (as a truncated prompt would be), with empty token counts
+                    return {"correct": False, "turns": 0, "format": False,
+                            "meta": {"tokens": {"policy": 0, "user": 0}, "verifier_hallucination_score": 0.0}}
             convs = await run_guided_group(c, row, engine, verifier, chat=chat, training=False, n=1,
-                                           sampling_overrides=overrides)
+                                           sampling_overrides=overrides, vp=vp, vl=vl)
             conv = convs[0]
             correct = grade_final_answer(conv.final_text, row.get("ground_truth"))
             meta = sample_metadata(conv, include_text=True)

@@ -42,6 +42,7 @@ class RolloutWorker:
         self.buffer_address = buffer_address
         self.namespace = namespace
         self.engine: Any = None
+        self.vl: Any = None  # group.VLContext for a vision-language policy (set by start)
         self._zmq = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")  # zmq sockets: one thread
         self._running = False
         self._tasks: set[asyncio.Task] = set()
@@ -80,15 +81,40 @@ class RolloutWorker:
                                    actor_id=self.actor_id)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
+        self.vl = self._vl_context()
+        vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}
         self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
-                                   weight_bucket_mb=cfg.learner.weights.bucket_mb)
+                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, **vl_kw)
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         self.reward_fn = load_reward(cfg.reward)
         state = await self.coordinator.get_state.remote()
         if state["version"] > 0:  # restarted or late joiner: newest weights before generating
             await self.engine.load_weights_from_store(min_version=0)
         return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version}
+
+    def _vl_context(self) -> Any:
+        """A `VLContext` for a Qwen-VL policy (processor chat, placeholder ban, image token id), else
+        None. VL conversations need rollout.guide.history=full (processor-made prompt ids)."""
+        from transformers import AutoConfig
+
+        from asyncrl.learner.multimodal import is_vl_config
+
+        cfg = self.cfg
+        hf_config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        if not is_vl_config(hf_config):
+            return None
+        from transformers import AutoProcessor
+
+        from asyncrl.actors.group import VLContext
+        from asyncrl.actors.guided import PolicyChat
+        from asyncrl.learner.multimodal import vision_logit_bias
+
+        if cfg.rollout.guide.history != "full":
+            raise ValueError("a vision-language policy needs rollout.guide.history=full")
+        processor = AutoProcessor.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        self.chat = PolicyChat(processor)
+        return VLContext(processor, vision_logit_bias(hf_config), int(hf_config.image_token_id))
 
     # ---------------------------------------------------------------- main loop
     async def run(self) -> dict[str, Any]:
@@ -146,10 +172,27 @@ class RolloutWorker:
         from asyncrl.actors.guided import GroupDropped
 
         pushed = False
+        vp = None
         try:
+            if self.vl is not None:
+                from asyncrl.actors.group import PromptTooLong, prepare_vl_prompt
+
+                try:
+                    vp = await asyncio.to_thread(prepare_vl_prompt, self.cfg, prompt, self.vl)
+                except PromptTooLong:  # would fail on every re-issue: complete it and count it
+                    log.warning("dropping prompt %s: too long with its images expanded", prompt.get("uid"))
+                    self._stats["prompts_dropped_too_long"] += 1
+                    await self._zmq_call(self.buffer.release_ticket, ticket)
+                    await self.coordinator.complete.remote(prompt["index"])
+                    pushed = True  # nothing to abandon
+                    return
             try:
-                convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
-                                               training=True)
+                if vp is not None:
+                    convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
+                                                   training=True, vp=vp, vl=self.vl)
+                else:
+                    convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
+                                                   training=True)
             except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
                 self._stats["groups_dropped_verifier_error"] += 1
                 await self._zmq_call(self.buffer.release_ticket, ticket)
@@ -157,7 +200,8 @@ class RolloutWorker:
                 pushed = True  # nothing to abandon
                 return
             group, _ = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
-                                         actor_id=self.actor_id, verifier=self.verifier)
+                                         actor_id=self.actor_id, verifier=self.verifier,
+                                         **({"vp": vp} if vp is not None else {}))
             self._account(group, convs)
             await self._zmq_call(self.buffer.push, group, ticket)
             pushed = True
@@ -230,6 +274,14 @@ class RolloutWorker:
         """Greedy evaluation with this actor's engine (current weights). With the rule back-end this
         is exactly `python -m asyncrl.eval` (asyncrl.eval.evaluate_async); otherwise the guided
         protocol runs against the verifier service. Returns per-mode summaries (mergeable by `n`)."""
+        if self.vl is not None:  # VL: the guided protocol with VL prompts (evaluate_async is text-only)
+            from asyncrl.actors.group import evaluate_rows
+            from asyncrl.data import make_item
+
+            # raw data rows -> stream items (messages with image items, images, row) as in training
+            items = [make_item(rows, i, self.cfg.data, i, "eval").to_dict() for i in range(len(rows))]
+            return {"service": await evaluate_rows(self.cfg, items, self.engine, self.verifier, chat=self.chat,
+                                                   mode=mode, vl=self.vl)}
         if self.cfg.verifier.backend == "rule":
             from asyncrl.actors.group import make_generate
             from asyncrl.eval import evaluate_async
@@ -269,6 +321,8 @@ class RolloutWorker:
             "rollout/groups_dropped_verifier_error": self._stats["groups_dropped_verifier_error"],
             "rollout/policy_tokens": self._policy_tokens,
         }
+        if self.vl is not None:
+            out["rollout/prompts_dropped_too_long"] = self._stats["prompts_dropped_too_long"]
         total = sum(self._finish.values()) or 1
         for reason, count in self._finish.items():
             out[f"rollout/finish_reason/{reason}"] = count / total

@@ -145,16 +145,49 @@ class LearnerWorker:
         self.ds_config = build_ds_config(self.lc, world_size, self.precision)
         # ZeRO-3 partitions at deepspeed.initialize: each rank briefly holds the full model in host
         # memory (partition-on-load via transformers' HfDeepSpeedConfig would need `accelerate`)
-        model = AutoModelForCausalLM.from_pretrained(path, **load_kw)
+        from asyncrl.learner.multimodal import is_vl_config
+
+        self.is_vl = is_vl_config(path)
+        self.vl: Any = None  # multimodal.VLInputBuilder for a VL policy
+        self._vl_bias: dict[int, float] = {}
+        self._row_images: list[list[Any]] = []
+        self._row_hashes: list[list[str]] | None = None
+        if self.is_vl:  # Qwen-VL: no AutoModelForCausalLM mapping in transformers 5
+            from asyncrl.learner.multimodal import load_vl_model
+
+            model = load_vl_model(path, **load_kw)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **load_kw)
         model.config.use_cache = False
         model.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
         self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(
             float(getattr(model.config, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout"))
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.vocab_size = int(model.config.vocab_size)
+        if self.is_vl:
+            from asyncrl.learner.multimodal import (
+                VLInputBuilder,
+                freeze_vision_tower,
+                load_vl_processor,
+                vision_logit_bias,
+            )
+
+            text_cfg = getattr(model.config, "text_config", model.config)
+            self.vocab_size = int(getattr(model.config, "vocab_size", None) or text_cfg.vocab_size)
+            if cfg.model.freeze_vision_tower:
+                freeze_vision_tower(model)  # before the optimizer and deepspeed.initialize
+            # the sampler's placeholder ban (-100 on image/video tokens), applied before the softmax here too
+            self._vl_bias = vision_logit_bias(model.config)
+            self.vl = VLInputBuilder(model, load_vl_processor(cfg.model.tokenizer_path or path))
+        else:
+            self.vocab_size = int(model.config.vocab_size)
         self.ref_model = None
-        if self.lc.kl.enable:  # frozen initial weights (a full replica per rank; not sharded)
+        if self.lc.kl.enable and self.is_vl:
+            from asyncrl.learner.multimodal import load_vl_model
+
+            self.ref_model = load_vl_model(path, **load_kw).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        elif self.lc.kl.enable:  # frozen initial weights (a full replica per rank; not sharded)
             self.ref_model = AutoModelForCausalLM.from_pretrained(path, **load_kw).to(self.device).eval()
             self.ref_model.requires_grad_(False)
 
@@ -199,9 +232,27 @@ class LearnerWorker:
 
     # ---------------------------------------------------------------------------------- forward
     def _forward_logits(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        if self.is_vl:
+            return self._vl_forward_logits(model, mb)
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                     logits_to_keep=mb.response_len + 1, use_cache=False)
         return out.logits[:, :-1]
+
+    def _vl_forward_logits(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        """VL micro-batch: processor features of the rows' images (cached by sha256) and (4, n, L)
+        mRoPE position ids (`multimodal.vl_forward`), then the sampler's placeholder logit bias, so
+        the learner's softmax is over the distribution vLLM sampled from."""
+        from asyncrl.learner.multimodal import vl_forward
+
+        out = vl_forward(model, self.vl, mb, self._row_images, self._row_hashes)
+        logits = out.logits[:, :-1]
+        if self._vl_bias:
+            bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            for tok, b in self._vl_bias.items():
+                if tok < bias.numel():
+                    bias[tok] = b
+            logits = logits + bias
+        return logits
 
     def _labels(self, mb: MicroBatch) -> torch.Tensor:
         return mb.input_ids[:, -mb.response_len:]
@@ -259,6 +310,10 @@ class LearnerWorker:
         t0 = time.perf_counter()
         lc, kc = self.lc, self.lc.kl
         flat = flatten_groups(groups)
+        if self.is_vl:  # images of every FlatBatch row (decoded once per group, hashes verified)
+            from asyncrl.learner.multimodal import group_row_images
+
+            self._row_images, self._row_hashes = group_row_images(groups)
         samples = [s for g in groups for s in g.samples]
         self._baselines = torch.tensor([float(s.metadata.get("baseline_reward", float("nan"))) for s in samples])
         minis = split_mini_batches(flat.group_sizes, lc.mini_batches)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-TASKS = ("arith",)
+TASKS = ("arith", "arith_vl")
 
 
 def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
-    if task == "arith":
+    if task in ("arith", "arith_vl"):  # arith_vl: the same rule verifier (it reads the figure's caption)
         from asyncrl.tasks.arith_verifier import ArithRuleVerifier
 
         return ArithRuleVerifier()
