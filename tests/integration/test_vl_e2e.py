@@ -5,7 +5,7 @@ DeepSpeed learner with the VL forward (processor features + mRoPE position ids +
 placeholder logit bias) and the gloo weight sync into the VL engine.
 
 Proves: a VL policy trains through the whole system (rc 0, one metrics row per step, images on the
-wire, non-zero gradients), and -- the key check -- in a synchronous run (max_staleness=0, lr 1e-3,
+wire, non-zero gradients whenever a group has a reward spread), and -- the key check -- in a synchronous run (max_staleness=0, lr 1e-3,
 so steps 2 and 3 train on tokens sampled AFTER one and two weight syncs of real updates) the VL
 engine's behaviour log-probs equal the learner's VL recomputation: `train/mismatch_kl` ~ 0 and
 importance weights ~ 1. Wrong mRoPE positions, a missing logit bias, stale encoder caches or a
@@ -50,10 +50,13 @@ def test_vl_quickstart_synchronous_run_trains_and_logprobs_match(tmp_path: Path)
     for r in steps:
         assert r["buffer/staleness_max"] == 0
         # behaviour (vLLM VL engine, after r["step"]-1 weight syncs) vs learner VL recompute
-        assert r["train/mismatch_kl"] < 1e-4, (r["step"], r["train/mismatch_kl"])
-        assert abs(r["train/is_weight_mean"] - 1.0) < 1e-2, (r["step"], r["train/is_weight_mean"])
+        assert r["train/mismatch_kl"] < 1e-6, (r["step"], r["train/mismatch_kl"])
+        assert abs(r["train/is_weight_mean"] - 1.0) < 1e-3, (r["step"], r["train/is_weight_mean"])
         assert r["train/num_samples"] == 8  # 2 prompts x n=4, every group pushed with its images
-    assert steps[-1]["train/grad_norm"] > 0
+        assert r["perf/trained_tokens"] > 0
+        if r["train/advantage_abs_mean"] > 0:  # some reward spread in a group -> a real update
+            assert r["train/grad_norm"] > 0, r["step"]
+    assert (run / "summary.json").exists()
     print("\n[vl e2e] mismatch_kl per step:", [f"{r['train/mismatch_kl']:.2e}" for r in steps],
           "is_weight_mean:", [f"{r['train/is_weight_mean']:.6f}" for r in steps],
           "reward_mean:", [r["train/reward_mean"] for r in steps])
