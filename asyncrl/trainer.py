@@ -78,6 +78,7 @@ class Trainer:
             if cfg.trainer.save_every > 0 and self.step % cfg.trainer.save_every == 0:
                 self.checkpoint()
             if cfg.trainer.eval_every > 0 and self.step % cfg.trainer.eval_every == 0 and cfg.data.val_files:
+                self.dump_samples(f"step_{self.step}")
                 result = self.evaluate("val", tag=f"step_{self.step}")
                 self.logger.log(self.step, {f"eval/{k}": v for k, v in result.items() if k in EVAL_KEYS})
             if self._stop_requested_by_ctl:
@@ -94,6 +95,25 @@ class Trainer:
         return rc
 
     _stop_requested_by_ctl = False
+    _last_groups: list[Any] = []
+
+    def dump_samples(self, tag: str) -> None:
+        """A few decoded trajectories of the latest trained batch, for a person to read."""
+        out = []
+        for g in self._last_groups:
+            for smp in g.samples:
+                meta = smp.metadata
+                out.append({"prompt_uid": smp.prompt_uid, "reward": smp.reward, "reward_parts": smp.reward_parts,
+                            "num_turns": smp.num_turns, "finish_reason": smp.finish_reason,
+                            "verifier_version": smp.verifier_version, "min_version": g.min_version,
+                            "hallucination_scores": meta.get("hallucination_scores"),
+                            "messages": meta.get("messages"), "verifier_texts": meta.get("verifier_texts")})
+                if len(out) >= self.cfg.trainer.samples_per_eval:
+                    break
+            if len(out) >= self.cfg.trainer.samples_per_eval:
+                break
+        if out:
+            (self.run_dir / "samples" / f"train_{tag}.json").write_text(json.dumps(out, indent=2, default=str))
 
     def train_one_step(self) -> dict[str, Any] | None:
         import ray
@@ -104,6 +124,7 @@ class Trainer:
         t_batch = time.time()
         if not groups:  # stopping while waiting: nothing taken from the buffer, nothing to train
             return None
+        self._last_groups = groups
         # (a partial batch only happens while stopping: it is trained rather than lost)
         lags = [self.version - g.min_version for g in groups]
         learner_metrics = topo.learner.step(groups)
@@ -346,6 +367,7 @@ class Trainer:
         return result
 
     def finish(self) -> None:
+        self.dump_samples(f"step_{self.step}")
         wall = time.time() - self.t_start
         rows = self.logger.rows
         self.summary.update({
