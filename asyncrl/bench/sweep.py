@@ -32,14 +32,21 @@ def run(cfg: Config, args) -> dict[str, Any]:
             c = cfg.model_copy(deep=True)
             c.rollout.num_actors = a
             c.buffer.max_staleness = s
-            cell = measure(c, steps, warmup, f"a{a}-s{s}")
+            try:
+                cell = measure(c, steps, warmup, f"a{a}-s{s}")
+            except RuntimeError as exc:  # one failed run (e.g. start-up timeout) must not lose the others
+                print(f"  actors {a} staleness {s}: FAILED ({exc})")
+                cells.append({"rollout_actors": a, "max_staleness": s, "error": str(exc),
+                              "trained_tokens_per_s": float("nan")})
+                continue
             cells.append(cell)
             print(f"  actors {a} staleness {s}: {cell['trained_tokens_per_s']:.0f} tok/s, "
                   f"learner idle {cell['learner_idle_ratio']:.2f}, rollout idle {cell['rollout_idle_ratio']:.2f}")
     result = summarize(cells, actors, staleness)
-    best = result["best"]
-    print_table("sweep", [("cells", len(cells)), ("best actors", best["rollout_actors"]),
-                          ("best staleness", best["max_staleness"]), ("best / (1 actor, sync)", result["ratio"])])
+    best = result["best"] or {}
+    print_table("sweep", [("cells", len(cells)), ("failed cells", result["failed_cells"]),
+                          ("best actors", best.get("rollout_actors")), ("best staleness", best.get("max_staleness")),
+                          ("best / (first actors, sync)", result["ratio"])])
     _heatmap(cells, actors, staleness, Path(getattr(args, "output", "bench")))
     return result
 
@@ -47,10 +54,13 @@ def run(cfg: Config, args) -> dict[str, Any]:
 def summarize(cells: list[dict[str, Any]], actors: list[int], staleness: list[int]) -> dict[str, Any]:
     """The sweep JSON: every cell, the grid, the best cell and `ratio` = best trained tokens/s ÷
     the (fewest actors, max_staleness=0) cell's (the synchronous baseline of the same grid)."""
-    base = next(c for c in cells if c["rollout_actors"] == actors[0] and c["max_staleness"] == 0)
-    best = max(cells, key=lambda c: c["trained_tokens_per_s"])
-    return {"cells": cells, "actors": actors, "staleness": staleness, "best": best,
-            "ratio": best["trained_tokens_per_s"] / max(base["trained_tokens_per_s"], 1e-9)}
+    ok = [c for c in cells if "error" not in c]
+    base = next((c for c in ok if c["rollout_actors"] == actors[0] and c["max_staleness"] == 0), None)
+    best = max(ok, key=lambda c: c["trained_tokens_per_s"], default=None)
+    ratio = (best["trained_tokens_per_s"] / max(base["trained_tokens_per_s"], 1e-9)
+             if best is not None and base is not None else float("nan"))
+    return {"cells": cells, "actors": actors, "staleness": staleness, "best": best, "ratio": ratio,
+            "failed_cells": len(cells) - len(ok)}
 
 
 def _heatmap(cells: list[dict[str, Any]], actors: list[int], staleness: list[int], out: Path) -> None:

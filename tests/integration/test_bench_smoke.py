@@ -110,10 +110,12 @@ def test_sweep_json_from_cells() -> None:
     for a, s, step in [(1, 0, 4.0), (1, 1, 2.0), (2, 0, 3.0), (2, 1, 1.0)]:
         cells.append(figures(_rows([0, step, 2 * step], step, 0.5, 100, [[1]] * 3), 0, max_staleness=s,
                              rollout_actors=a))
-    out = summarize(cells, [1, 2], [0, 1])
+    cells.append({"rollout_actors": 2, "max_staleness": 2, "error": "start-up timeout",
+                  "trained_tokens_per_s": float("nan")})  # a failed cell is kept, reported, and skipped
+    out = summarize(cells, [1, 2], [0, 1, 2])
     # tokens/s = 300 / (3 * step): base (1 actor, sync) 25; best (2 actors, s=1) 100 -> ratio 4
     assert out["best"]["rollout_actors"] == 2 and out["best"]["max_staleness"] == 1
-    assert out["ratio"] == pytest.approx(4.0)
+    assert out["ratio"] == pytest.approx(4.0) and out["failed_cells"] == 1
     json.dumps(out)
 
 
