@@ -76,6 +76,7 @@ class RolloutWorker:
         cfg = self.cfg
         if self.engine is not None:  # start() again on a live actor (after a failed loop)
             self.engine.shutdown()
+        _kill_orphans(self._pid_file())  # engine processes left by a previous incarnation (SIGKILL/OOM)
         self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
         self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
                                    actor_id=self.actor_id)
@@ -86,6 +87,7 @@ class RolloutWorker:
         self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
                                    weight_bucket_mb=cfg.learner.weights.bucket_mb, **vl_kw)
+        _record_children(self._pid_file())
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         self.reward_fn = load_reward(cfg.reward)
         state = await self.coordinator.get_state.remote()
@@ -338,12 +340,47 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def _pid_file(self) -> str:
+        import tempfile
+
+        return os.path.join(tempfile.gettempdir(), f"asyncrl-{self.namespace}-{self.actor_id}.pids")
+
     async def shutdown(self) -> None:
         self._running = False
         await self._drain(abandon=True, timeout_s=5)
         if self.engine is not None:
             self.engine.shutdown()
         self._zmq.shutdown(wait=False)
+
+
+def _record_children(path: str) -> None:
+    """Remember this actor's engine processes: vLLM's engine core outlives an actor killed with
+    SIGKILL (OOM killer, chaos), so the next incarnation must be able to reap it."""
+    import psutil
+
+    pids = [p.pid for p in psutil.Process().children(recursive=True)]
+    with open(path, "w") as f:
+        f.write("\n".join(map(str, pids)))
+
+
+def _kill_orphans(path: str) -> int:
+    import psutil
+
+    if not os.path.exists(path):
+        return 0
+    killed = 0
+    for line in open(path).read().split():
+        try:
+            proc = psutil.Process(int(line))
+            if proc.ppid() in (0, 1) or not psutil.pid_exists(proc.ppid()):
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, ValueError):
+            continue
+    os.unlink(path)
+    if killed:
+        log.warning("reaped %d orphaned engine process(es) of a previous incarnation", killed)
+    return killed
 
 
 def make_rollout_actor_class(cfg: Config):
