@@ -127,7 +127,10 @@ class RolloutWorker:
             state = await self.coordinator.get_state.remote()
             if state["stopping"]:
                 break
-            if len(self._tasks) >= limit or self._paused_for_weights or not state["admitting"]:
+            if len(self._tasks) >= limit:  # busy: every group slot is generating (not idle)
+                await asyncio.sleep(0.05)
+                continue
+            if self._paused_for_weights or not state["admitting"]:
                 await self._idle(0.05)
                 continue
             t_wait = time.time()

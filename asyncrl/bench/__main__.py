@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="bench", help="directory for JSON and plots")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for tests")
     add_config_args(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = config_from_args(args, require_files=False)
     module = importlib.import_module(f"asyncrl.bench.{args.scenario.replace('-', '_')}")
     result = module.run(cfg, args)
