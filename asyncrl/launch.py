@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     cfg = config_from_args(args, require_files=not args.print_config)
     if args.print_config:
         print(cfg.to_json())
