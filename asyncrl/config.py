@@ -100,6 +100,10 @@ class AlgorithmConfig(Section):
     """GAE lambda (kept for Guided-GRPO compatibility; no critic in asyncrl)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's (unbiased) std; False gives Dr.GRPO's numerator."""
+    turn_score_coef: float = Field(0.0, ge=0)
+    """Guided process advantage (asyncrl extension, not in Guided-GRPO): add coef x the verifier's
+    step score of each policy turn (`[SCORE] hallucination_detect`), normalised over the group's
+    scored turns, to every token of that turn. Dense per-turn credit; 0 = outcome advantage only."""
 
 
 # -------------------------------------------------------------------------------------------- model

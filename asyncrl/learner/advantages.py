@@ -203,3 +203,28 @@ def advantages_from_config(
         gamma=config.gamma,
         baseline_rewards=baseline_rewards,
     )
+
+
+def turn_score_advantages(token_scores: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """Per-token process advantage from per-turn verifier scores (asyncrl extension).
+
+    `token_scores[N, T]` holds, on every token of a policy turn, that turn's verifier step score
+    (1 = correct, 0 = error) and NaN where the turn was not scored or the token is not trained.
+    Within each group the scored turns' tokens are standardised by the mean and (unbiased) std of
+    the group's turn scores (each turn counted once per token — longer turns weigh more, as in the
+    token-mean loss); unscored tokens get 0. A group whose turns all scored alike gets 0.
+    """
+    out = torch.zeros_like(response_mask, dtype=torch.float32)
+    valid = ~torch.isnan(token_scores) & (response_mask > 0)
+    for g in torch.unique(group_index):
+        rows = group_index == g
+        sel = valid & rows[:, None]
+        vals = token_scores[sel]
+        if vals.numel() < 2:
+            continue
+        std = vals.std(unbiased=True)
+        if not torch.isfinite(std) or std < eps:
+            continue
+        out[sel] = (vals - vals.mean()) / (std + eps)
+    return out

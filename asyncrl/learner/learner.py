@@ -42,7 +42,7 @@ import torch
 
 from asyncrl.config import Config, LearnerConfig
 from asyncrl.learner import checkpoint as ckpt
-from asyncrl.learner.advantages import compute_advantages, scores_to_token_rewards
+from asyncrl.learner.advantages import compute_advantages, scores_to_token_rewards, turn_score_advantages
 from asyncrl.learner.batching import (
     FlatBatch,
     MicroBatch,
@@ -301,7 +301,34 @@ class LearnerWorker:
                 raise ValueError("adv_estimator=remax needs sample.metadata['baseline_reward'] on every sample")
             options["baseline_rewards"] = self._baselines
         adv = compute_advantages(alg.adv_estimator, rewards, flat.group_index, flat.response_mask, **options)
+        if alg.turn_score_coef > 0 and self._token_scores is not None:
+            proc = turn_score_advantages(self._token_scores, flat.group_index, flat.response_mask)
+            adv = adv + alg.turn_score_coef * proc
+            extra["train/turn_score_adv_abs_mean"] = float(proc.abs().sum() / flat.response_mask.sum().clamp_min(1))
         return adv, extra
+
+    @staticmethod
+    def _turn_token_scores(samples: Sequence[Any], shape: tuple[int, int]) -> torch.Tensor:
+        """[N, T] verifier step score of each trained token's turn (NaN where unscored). Turns are
+        the contiguous mask-1 runs of the response, matched to the sample's last per-turn scores
+        (final_turn: the last turn; full_turn: every turn)."""
+        out = torch.full(shape, float("nan"))
+        for i, smp in enumerate(samples):
+            scores = list(smp.metadata.get("hallucination_scores") or [])
+            mask = np.asarray(smp.response_mask)
+            runs, start = [], None
+            for t, m in enumerate(mask):
+                if m and start is None:
+                    start = t
+                if not m and start is not None:
+                    runs.append((start, t))
+                    start = None
+            if start is not None:
+                runs.append((start, len(mask)))
+            for (a, b), score in zip(runs, scores[-len(runs):] if runs else []):
+                if score is not None:
+                    out[i, a:b] = float(score)
+        return out
 
     # ------------------------------------------------------------------------------------- step
     def train_step(self, groups: Sequence[Any]) -> dict[str, float]:
@@ -316,6 +343,8 @@ class LearnerWorker:
             self._row_images, self._row_hashes = group_row_images(groups)
         samples = [s for g in groups for s in g.samples]
         self._baselines = torch.tensor([float(s.metadata.get("baseline_reward", float("nan"))) for s in samples])
+        self._token_scores = (self._turn_token_scores(samples, tuple(flat.response_mask.shape))
+                              if self.cfg.algorithm.turn_score_coef > 0 else None)
         minis = split_mini_batches(flat.group_sizes, lc.mini_batches)
         plans = [self._plan(flat, rows) for rows in minis]
         mode = lc.off_policy.mode

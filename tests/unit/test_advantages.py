@@ -158,3 +158,22 @@ def test_advantages_from_config():
     config = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std=False)
     adv = advantages_from_config(config, torch.tensor([1.0, 2.0, 3.0]), [0, 0, 0], torch.ones(3, 1))
     assert _rowvals(adv) == pytest.approx([-1.0, 0.0, 1.0])
+
+
+def test_turn_score_advantages_hand_derived() -> None:
+    """Group 0: turns scored 1, 0, 1 (one token each) -> mean 2/3, unbiased std sqrt(1/3)=0.5774:
+    (1-2/3)/0.5774 = +0.5774, (0-2/3)/0.5774 = -1.1547. Group 1: scores all 1 -> std 0 -> 0.
+    Unscored (NaN) and masked tokens get 0."""
+    import math
+
+    from asyncrl.learner.advantages import turn_score_advantages
+
+    nan = float("nan")
+    scores = torch.tensor([[1.0, nan, 0.0], [1.0, nan, nan], [1.0, 1.0, nan]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    group = torch.tensor([0, 0, 1])
+    out = turn_score_advantages(scores, group, mask)
+    s = math.sqrt(1 / 3)
+    assert torch.allclose(out[0], torch.tensor([(1 - 2 / 3) / s, 0.0, (0 - 2 / 3) / s]), atol=1e-5)
+    assert torch.allclose(out[1], torch.tensor([(1 - 2 / 3) / s, 0.0, 0.0]), atol=1e-5)
+    assert torch.equal(out[2], torch.zeros(3))
