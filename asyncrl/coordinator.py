@@ -39,7 +39,6 @@ class Coordinator:
         self.version = 0
         self.admitting = True
         self.stopping = False
-        self.actor_stats: dict[str, dict[str, Any]] = {}
         self._commands: list[dict[str, Any]] = []
         self._results: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count(1)
@@ -100,12 +99,6 @@ class Coordinator:
         self.stopping = True
         self.admitting = False
 
-    def report(self, actor_id: str, stats: dict[str, Any]) -> None:
-        self.actor_stats[actor_id] = {**stats, "reported_at": time.time()}
-
-    def drop_actor_stats(self, actor_id: str) -> None:
-        self.actor_stats.pop(actor_id, None)
-
     # ------------------------------------------------------------------ ctl commands
     def submit(self, command: str, args: dict[str, Any] | None = None) -> int:
         cid = next(self._ids)
@@ -128,5 +121,5 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         return {**self.status_snapshot, "version": self.version, "admitting": self.admitting,
                 "prompts_completed": self._completed, "prompts_in_flight": len(self._in_flight),
-                "prompts_abandoned": self._abandoned, "actors": sorted(self.actor_stats),
+                "prompts_abandoned": self._abandoned,
                 "uptime_s": time.time() - self.started_at}

@@ -168,7 +168,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     from asyncrl.data import load_rows
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.replay.host import BufferHost
-    from asyncrl.serve.deploy import deploy_verifier, shutdown_verifier  # noqa: F401
+    from asyncrl.serve.deploy import deploy_verifier
 
     namespace = ray.get_runtime_context().namespace
     topo = Topology(cfg, run_dir, namespace)

@@ -293,7 +293,6 @@ class Trainer:
             except Exception:  # noqa: BLE001
                 pass
             ray.kill(actor, no_restart=True)
-            ray.get(self.topo.coordinator.drop_actor_stats.remote(aid))
         return {"ok": True, "removed": removed, "actors": sorted(self.topo.actors)}
 
     def cmd_swap_verifier(self, verifier: dict[str, Any]) -> dict[str, Any]:

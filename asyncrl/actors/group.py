@@ -137,16 +137,13 @@ def reward_inputs(convs: list[Any], ground_truth: str | None) -> list[dict[str, 
     return items
 
 
-async def score(reward_fn: Any, items: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Rewards off the event loop (graders may be slow; they must not stall the engine)."""
-    return await asyncio.to_thread(reward_fn, items)
-
-
 async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], reward_fn: Any, tokenizer: Any, *,
-                      actor_id: str, verifier: Any = None, vp: Any = None) -> tuple[Group, bool]:
-    """Score the conversations and pack them as a `Group`. Returns (group, dropped). With a `vp`
+                      actor_id: str, verifier: Any = None, vp: Any = None) -> Group:
+    """Score the conversations (off the event loop) and pack them as a `Group`. With a `vp`
     (VL) the group's metadata also carries the prompt's final images once (`images`: PNG bytes +
     sha256, `vision.PreparedImages.to_wire`), which the learner decodes (`group_row_images`)."""
+    from asyncrl.rewards import score
+
     scores = await score(reward_fn, reward_inputs(convs, prompt.get("ground_truth")))
     samples = []
     for conv, parts in zip(convs, scores):
@@ -164,7 +161,7 @@ async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], rew
     if vp is not None:
         metadata["images"] = vp.images.to_wire()
     group = Group.from_samples(samples, created_at=time.time(), actor_id=actor_id, metadata=metadata)
-    return group, False
+    return group
 
 
 def _jsonable(value: Any) -> Any:

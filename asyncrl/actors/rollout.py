@@ -148,7 +148,7 @@ class RolloutWorker:
             task = asyncio.create_task(self._group(prompt, ticket))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        await self._drain(abandon=True)
+        await self._drain()
         return dict(self._stats)
 
     async def _idle(self, seconds: float) -> None:
@@ -159,7 +159,7 @@ class RolloutWorker:
     async def _zmq_call(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._zmq, lambda: fn(*args, **kwargs))
 
-    async def _drain(self, abandon: bool, timeout_s: float = 30.0) -> None:
+    async def _drain(self, timeout_s: float = 30.0) -> None:
         if not self._tasks:
             return
         done, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
@@ -204,7 +204,7 @@ class RolloutWorker:
                 await self.coordinator.complete.remote(prompt["index"])
                 pushed = True  # nothing to abandon
                 return
-            group, _ = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
+            group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,
                                          **({"vp": vp} if vp is not None else {}))
             self._account(group, convs)
@@ -263,7 +263,7 @@ class RolloutWorker:
         t0 = time.time()
         if self.cfg.rollout.weight_update_mode == "between_groups":
             self._paused_for_weights = True
-            await self._drain(abandon=False, timeout_s=600)
+            await self._drain(timeout_s=600)
         try:
             report = await self.engine.load_weights_from_store()
         finally:
@@ -350,7 +350,7 @@ class RolloutWorker:
 
     async def shutdown(self) -> None:
         self._running = False
-        await self._drain(abandon=True, timeout_s=5)
+        await self._drain(timeout_s=5)
         if self.engine is not None:
             self.engine.shutdown()
         self._zmq.shutdown(wait=False)

@@ -122,7 +122,7 @@ async def _actor_round(cfg: Config, prompts: list[dict[str, Any]], engine: Recor
 
     async def one(prompt: dict[str, Any], ticket: int) -> None:
         convs = await run_guided_group(cfg, prompt, engine, verifier, chat=parts["chat"], training=True)
-        group, _ = await build_group(cfg, prompt, convs, parts["reward_fn"], parts["tokenizer"], actor_id="bench")
+        group = await build_group(cfg, prompt, convs, parts["reward_fn"], parts["tokenizer"], actor_id="bench")
         reply = await loop.run_in_executor(zmq_pool, lambda: client.push(group, ticket))
         parts["push_status"][reply.status] = parts["push_status"].get(reply.status, 0) + 1
 
