@@ -104,6 +104,11 @@ class AlgorithmConfig(Section):
     """Guided process advantage (asyncrl extension, not in Guided-GRPO): add coef x the verifier's
     step score of each policy turn (`[SCORE] hallucination_detect`), normalised over the group's
     scored turns, to every token of that turn. Dense per-turn credit; 0 = outcome advantage only."""
+    turn_score_accept: float | None = Field(1.0, ge=0, le=1)
+    """Process score of the final policy turn when the verifier accepted it (`###STOP###` after a
+    formatted final answer), which carries no `[SCORE]` line. 1.0 counts acceptance as a correct
+    step, so the process advantage does not favour one more checkpoint turn over finishing; None
+    leaves that turn unscored (it then gets no process advantage)."""
 
 
 # -------------------------------------------------------------------------------------------- model

@@ -308,13 +308,20 @@ class LearnerWorker:
         return adv, extra
 
     @staticmethod
-    def _turn_token_scores(samples: Sequence[Any], shape: tuple[int, int]) -> torch.Tensor:
+    def _turn_token_scores(samples: Sequence[Any], shape: tuple[int, int],
+                           accept_score: float | None = None) -> torch.Tensor:
         """[N, T] verifier step score of each trained token's turn (NaN where unscored). Turns are
         the contiguous mask-1 runs of the response, matched to the sample's last per-turn scores
-        (final_turn: the last turn; full_turn: every turn)."""
+        (final_turn: the last turn; full_turn: every turn). A final turn the verifier accepted
+        (STOP token after a formatted final answer) scores `accept_score` when it is not None."""
         out = torch.full(shape, float("nan"))
         for i, smp in enumerate(samples):
-            scores = list(smp.metadata.get("hallucination_scores") or [])
+            meta = smp.metadata
+            scores = list(meta.get("hallucination_scores") or [])
+            causes = list(meta.get("stop_causes") or [])
+            if (accept_score is not None and scores and scores[-1] is None and meta.get("has_final_answer")
+                    and len(causes) == len(scores) and causes[-1] == "stop_token"):
+                scores[-1] = accept_score
             mask = np.asarray(smp.response_mask)
             runs, start = [], None
             for t, m in enumerate(mask):
@@ -343,7 +350,8 @@ class LearnerWorker:
             self._row_images, self._row_hashes = group_row_images(groups)
         samples = [s for g in groups for s in g.samples]
         self._baselines = torch.tensor([float(s.metadata.get("baseline_reward", float("nan"))) for s in samples])
-        self._token_scores = (self._turn_token_scores(samples, tuple(flat.response_mask.shape))
+        self._token_scores = (self._turn_token_scores(samples, tuple(flat.response_mask.shape),
+                                                      self.cfg.algorithm.turn_score_accept)
                               if self.cfg.algorithm.turn_score_coef > 0 else None)
         minis = split_mini_batches(flat.group_sizes, lc.mini_batches)
         plans = [self._plan(flat, rows) for rows in minis]

@@ -177,3 +177,31 @@ def test_turn_score_advantages_hand_derived() -> None:
     assert torch.allclose(out[0], torch.tensor([(1 - 2 / 3) / s, 0.0, (0 - 2 / 3) / s]), atol=1e-5)
     assert torch.allclose(out[1], torch.tensor([(1 - 2 / 3) / s, 0.0, 0.0]), atol=1e-5)
     assert torch.equal(out[2], torch.zeros(3))
+
+
+def test_turn_token_scores_map_turns_and_score_an_accepted_final_turn() -> None:
+    """Response mask runs [1,1] [0] [1] [0,0] [1] = three policy turns, scored 0, 1 and STOP (None).
+    The last turn ended with the verifier's STOP token after a formatted final answer, so with
+    accept_score=1.0 it scores 1 like a correct step; with None it stays unscored (NaN).
+    A STOP that is not an acceptance (empty reply, or no final answer) is never scored."""
+    from types import SimpleNamespace
+
+    from asyncrl.learner.learner import LearnerWorker
+
+    nan = float("nan")
+    mask = [1, 1, 0, 1, 0, 0, 1]
+
+    def sample(**meta):
+        base = {"hallucination_scores": [0, 1, None], "stop_causes": ["", "", "stop_token"], "has_final_answer": True}
+        return SimpleNamespace(response_mask=mask, metadata={**base, **meta})
+
+    def row(smp, accept):
+        return LearnerWorker._turn_token_scores([smp], (1, len(mask)), accept)[0].tolist()
+
+    def same(a, b):
+        return all((x != x and y != y) or x == y for x, y in zip(a, b, strict=True))
+
+    assert same(row(sample(), 1.0), [0, 0, nan, 1, nan, nan, 1])
+    assert same(row(sample(), None), [0, 0, nan, 1, nan, nan, nan])
+    assert same(row(sample(has_final_answer=False), 1.0), [0, 0, nan, 1, nan, nan, nan])
+    assert same(row(sample(stop_causes=["", "", "empty"]), 1.0), [0, 0, nan, 1, nan, nan, nan])
