@@ -128,12 +128,13 @@ async def run_guided_group(cfg: Config, prompt: dict[str, Any], engine: Any, ver
 
 def reward_inputs(convs: list[Any], ground_truth: str | None) -> list[dict[str, Any]]:
     """Guided-GRPO's reward-function input dicts (4.1): final policy turn, its length, the answer
-    and the verifier's hallucination score."""
+    and the verifier's hallucination score, plus `num_turns` (asyncrl; plug-ins may ignore it)."""
     items = []
     for c in convs:
         last = c.turns[-1]
         items.append({"response": c.final_text, "response_length": len(last.token_ids),
-                      "ground_truth": ground_truth or "", "verifier_hallucination_score": c.hallucination_score})
+                      "ground_truth": ground_truth or "", "verifier_hallucination_score": c.hallucination_score,
+                      "num_turns": c.num_turns})
     return items
 
 

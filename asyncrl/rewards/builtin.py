@@ -83,17 +83,31 @@ def _math_batch(reward_inputs: list[dict[str, Any]], format_weight: float = 0.1,
 
 
 def guided_math_reward(reward_inputs: list[dict[str, Any]], format_weight: float = 0.1,
-                       hallucination_weight: float = 0.1,
+                       hallucination_weight: float = 0.1, turn_cost: float = 0.0,
                        timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[dict[str, float]]:
     """Paper reward (4.5), batch. `hallucination_weight=0` reproduces the shipped 0.9/0.1 split
-    while still logging `reward/hallucination`."""
+    while still logging `reward/hallucination`.
+
+    `turn_cost` (asyncrl extension, default 0 = the paper's reward): a correct answer reached in
+    k policy turns loses `turn_cost·(k−1)·accuracy` (input key `num_turns`), so among correct
+    samples the one needing less guidance scores higher. It scales with accuracy, so a quick
+    wrong answer is never preferred to a slow right one (k ≤ 1 + 1/turn_cost keeps it positive).
+    Logged as `turns_penalty`."""
+    if turn_cost < 0:
+        raise ValueError(f"turn_cost must be >= 0, got {turn_cost}")
     out = []
     for x in reward_inputs:
         hal = x.get("verifier_hallucination_score")
         hal = NEUTRAL_HALLUCINATION if hal is None else float(hal)
-        out.append(math_reward(x["response"], x["ground_truth"], format_weight=format_weight,
-                               hallucination_weight=hallucination_weight, hallucination_score=hal,
-                               timeout_s=timeout_s))
+        row = math_reward(x["response"], x["ground_truth"], format_weight=format_weight,
+                          hallucination_weight=hallucination_weight, hallucination_score=hal,
+                          timeout_s=timeout_s)
+        if turn_cost > 0:
+            if "num_turns" not in x:
+                raise ValueError("guided_math with turn_cost > 0 needs the reward input key 'num_turns'")
+            row["turns_penalty"] = turn_cost * max(0, int(x["num_turns"]) - 1) * row["accuracy"]
+            row["overall"] -= row["turns_penalty"]
+        out.append(row)
     return out
 
 

@@ -175,6 +175,21 @@ def test_guided_math_zero_weight_reproduces_shipped_split() -> None:
     assert got["overall"] == pytest.approx(0.9) and got["hallucination"] == 0.0
 
 
+def test_guided_math_turn_cost_scales_with_accuracy() -> None:
+    """turn_cost 0.1, weights 0 (overall = accuracy before the cost):
+    right in 3 turns: 1 - 0.1*(3-1)*1 = 0.8; right in 1 turn: 1 - 0 = 1.0;
+    wrong in 1 turn: 0 - 0.1*0*0 = 0.0 (never above a slow right answer); wrong in 4 turns: 0.0."""
+    def item(resp: str, turns: int) -> dict:
+        return {"response": resp, "response_length": 9, "ground_truth": "7", "num_turns": turns}
+
+    got = get_reward("guided_math")([item(GOOD, 3), item(GOOD, 1), item(WRONG, 1), item(WRONG, 4)],
+                                     format_weight=0.0, hallucination_weight=0.0, turn_cost=0.1)
+    assert [g["overall"] for g in got] == pytest.approx([0.8, 1.0, 0.0, 0.0])
+    assert got[0]["turns_penalty"] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="num_turns"):
+        get_reward("guided_math")([{"response": GOOD, "response_length": 9, "ground_truth": "7"}], turn_cost=0.1)
+
+
 def test_math_reward_api_and_weight_validation() -> None:
     # 0.7*1 + 0.1*1 + 0.2*0.25 = 0.85
     got = math_reward(GOOD, "7", format_weight=0.1, hallucination_weight=0.2, hallucination_score=0.25)
