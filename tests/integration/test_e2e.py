@@ -85,7 +85,9 @@ def test_synchronous_run_behaviour_logprobs_match_learner(tmp_path: Path) -> Non
     """max_staleness=0: every trained token was sampled by the weights the learner starts the step
     from, so the engines' logprobs (after each gloo weight sync) must equal the learner's pi_prox."""
     proc = launch(tmp_path, "trainer.experiment_name=sync", "trainer.max_steps=3", "rollout.num_actors=1",
-                  "buffer.max_staleness=0", "trainer.eval_before_after=false", "learner.optim.lr=1e-3")
+                  "buffer.max_staleness=0", "trainer.eval_before_after=false", "learner.optim.lr=1e-3",
+                  # T=1 and a step-score term: groups differ within 3 steps, so the update is real
+                  "rollout.temperature=1.0", "reward.kwargs.hallucination_weight=0.2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = rows_of(tmp_path / "sync")
     assert all(r["buffer/staleness_max"] == 0 for r in rows)

@@ -170,5 +170,6 @@ def test_every_shipped_config_reward_section_resolves() -> None:
     assert configs
     for path in configs:
         fn = build_reward_fn(load_config(path).reward)
-        got = fn([{"response": r"<answer>\boxed{1}</answer>", "response_length": 3, "ground_truth": "1"}])
+        got = fn([{"response": r"<answer>\boxed{1}</answer>", "response_length": 3, "ground_truth": "1",
+                   "num_turns": 2}])  # the keys the rollout gives (asyncrl.actors.group.reward_inputs)
         assert "overall" in got[0], path.name
