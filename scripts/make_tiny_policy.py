@@ -1,7 +1,11 @@
 """Build the quick-start policy: a local BPE tokenizer (ChatML) and a tiny Qwen2 decoder SFT'd on
 synthetic guided `arith` dialogues (asyncrl/tasks/arith_dialogues.py).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_tiny_policy.py --out assets/tiny-policy
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_tiny_policy.py --out assets/tiny-policy --threads 1
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_tiny_policy.py --init assets/tiny-policy \
+        --out assets/tiny-policy --seed 1 --steps 700 --lr 1.5e-3 --warmup 30      # stage 2 (shipped)
+
+`--init` continues SFT from a checkpoint (its tokenizer and architecture) on fresh dialogues.
 
 Deterministic given --seed (one torch thread for data order; float sums on 2 threads may differ in
 the last bits, so a rerun reproduces the checkpoint within noise, not bit for bit).
@@ -84,6 +88,9 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=320)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--time-budget-s", type=float, default=0, help=">0: stop training after this many seconds")
+    p.add_argument("--init", default=None,
+                   help="continue SFT from this checkpoint (its tokenizer and architecture; size flags ignored)")
+    p.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     a = p.parse_args()
 
     import torch
@@ -107,7 +114,12 @@ def main() -> None:
     ]
     corpus = [m["content"] for d in dialogues[:5000] for m in d]
     corpus += [CONTINUE_PROMPT, verify_turns("Compute 1 + 2.", ["hello"]).text, *(["user", "assistant", "system"] * 50)]
-    tok = build_tokenizer(corpus, a.vocab_size)
+    if a.init:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(a.init)
+    else:
+        tok = build_tokenizer(corpus, a.vocab_size)
     data = [encode_dialogue(tok, d, a.max_len) for d in dialogues]
     n_tok = sum(sum(1 for x in lab if x != -100) for _, lab in data)
     print(f"{len(data)} dialogues, {n_tok} trained tokens, vocab {len(tok)}, data built in {time.time() - t0:.0f}s", flush=True)
@@ -119,11 +131,12 @@ def main() -> None:
         bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, torch_dtype="float32",
     )
-    model = Qwen2ForCausalLM(cfg)
+    model = Qwen2ForCausalLM.from_pretrained(a.init, torch_dtype=torch.float32) if a.init else Qwen2ForCausalLM(cfg)
+    cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warm = 100
+    warm = a.warmup
 
     def lr_at(step: int) -> float:
         if step < warm:
