@@ -114,8 +114,11 @@ def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: 
 def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode, *, task: str = "arith",
                       max_turns: int = 4, max_tokens: int = 64, temperature: float = 0.0,
                       max_prompt_length: int | None = 256,
-                      return_conversations: bool = False) -> dict:
-    """Lock-step turns over all conversations with an offline `vllm.LLM` (one batched call per turn)."""
+                      return_conversations: bool = False,
+                      rewrite: Callable[[Any, list[int]], list[int]] | None = None) -> dict:
+    """Lock-step turns over all conversations with an offline `vllm.LLM` (one batched call per turn).
+    `rewrite(conversation, token_ids) -> token_ids` (analysis only) may replace a generated turn
+    before the conversation sees it, e.g. to measure the ceiling of a behaviour."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -139,7 +142,8 @@ def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, detokenize=False)
             outs = llm.generate([TokensPrompt(prompt_token_ids=s.prompt_ids) for _, s in gen], params, use_tqdm=False)
             for (c, _), o in zip(gen, outs, strict=True):
-                c.on_generated(list(o.outputs[0].token_ids), None, 0, str(o.outputs[0].finish_reason))
+                ids = list(o.outputs[0].token_ids)
+                c.on_generated(rewrite(c, ids) if rewrite else ids, None, 0, str(o.outputs[0].finish_reason))
     out = summarize(convs, rows, tokenizer, task, mode)
     if return_conversations:
         out["conversations"] = [c.messages() for c in convs]

@@ -62,41 +62,23 @@ def _near_miss_gaps(model_path: str, tokenizer: Any, rows: list[dict], conversat
 def _same_turn_ceiling(llm: Any, tokenizer: Any, rows: list[dict]) -> dict[str, float]:
     """Greedy guided eval where a turn whose accepted steps finish the expression gets the final
     answer appended (its own last result) instead of `Right?`."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     import asyncrl.eval as ev
-    from asyncrl.actors.guided import GenerateStep
     from asyncrl.tasks.arith_verifier import verify_turns
 
-    convs = ev.make_conversations(rows, tokenizer, "guided", 4, 256)
-    verify = ev._verifier_fn("arith", "guided")
-    history: dict[int, list[str]] = collections.defaultdict(list)
-    params = SamplingParams(temperature=0.0, max_tokens=64, detokenize=False)
-    while True:
-        steps = [(i, c, c.next_step()) for i, c in enumerate(convs)]
-        steps = [(i, c, s) for i, c, s in steps if s is not None]
-        if not steps:
-            break
-        for _, c, s in steps:
-            if not isinstance(s, GenerateStep):
-                c.on_verified(verify(s.messages))
-        gen = [(i, c, s) for i, c, s in steps if isinstance(s, GenerateStep)]
-        if not gen:
-            continue
-        outs = llm.generate([TokensPrompt(prompt_token_ids=s.prompt_ids) for _, _, s in gen], params, use_tqdm=False)
-        for (i, c, _), out in zip(gen, outs, strict=True):
-            ids = list(out.outputs[0].token_ids)
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            results = re.findall(r"= (\d+)\.", text)
-            if text.endswith("Right?") and results:
-                verdict = verify_turns(rows[i]["problem"], history[i] + [text])
-                if verdict.kind == "correct" and "final answer" in verdict.text:
-                    text = text[: -len("Right?")] + f"<answer>\\boxed{{{results[-1]}}}</answer>"
-                    ids = tokenizer.encode(text, add_special_tokens=False) + ids[-1:]
-            history[i].append(text)
-            c.on_generated(ids, None, 0, "stop")
-    out = ev.summarize(convs, rows, tokenizer, "arith", "guided")
+    by_uid = {str(r.get("id", i)): r["problem"] for i, r in enumerate(rows)}  # make_conversations' uids
+
+    def answer_early(conv: Any, ids: list[int]) -> list[int]:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        results = re.findall(r"= (\d+)\.", text)
+        if not (text.endswith("Right?") and results):
+            return ids
+        verdict = verify_turns(by_uid[conv.uid], [t.text for t in conv.turns] + [text])
+        if verdict.kind != "correct" or "final answer" not in verdict.text:
+            return ids
+        text = text[: -len("Right?")] + f"<answer>\\boxed{{{results[-1]}}}</answer>"
+        return tokenizer.encode(text, add_special_tokens=False) + ids[-1:]
+
+    out = ev.evaluate_with_llm(llm, tokenizer, rows, "guided", rewrite=answer_early)
     return {"accuracy": out["accuracy"], "mean_turns": out["mean_turns"]}
 
 
