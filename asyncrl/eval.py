@@ -14,10 +14,11 @@ validation) on vLLM's offline engine (CPU build here), greedy by default:
   turn (the policy never sees it).
 
 Reported per mode (the quantities of the Guided-GRPO paper): accuracy (last `\\boxed{}` of the final
-policy turn equals the answer), mean turns, mean policy / verifier tokens per sample (verifier
-tokens counted with the policy tokenizer on the raw reply), format rate (final turn has a valid
-final answer, 1.8), hallucination score (1.11, mean over samples). The JSON top level carries
-`guided_accuracy`, `solver_accuracy` and, from the guided mode when run (else solver-only),
+policy turn equals the answer) with its binomial standard error and, for rows that carry
+`num_steps` (the arith task), accuracy by problem length; mean turns, mean policy / verifier
+tokens per sample (verifier tokens counted with the policy tokenizer on the raw reply), format rate
+(final turn has a valid final answer, 1.8), hallucination score (1.11, mean over samples). The JSON top level carries
+`guided_accuracy`, `solver_accuracy` (and their `_se`) and, from the guided mode when run (else solver-only),
 `mean_turns`, `mean_policy_tokens`, `mean_verifier_tokens`, `format_rate`, `hallucination_score`;
 `guided` / `solver` hold each mode's full numbers.
 
@@ -103,8 +104,18 @@ def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: 
     def mean(xs: Sequence[float]) -> float:
         return round(sum(xs) / max(1, len(xs)), 4)
 
+    acc = sum(correct) / max(1, n)
+    by_steps: dict[str, list[bool]] = {}
+    for ok, r in zip(correct, rows, strict=True):
+        if "num_steps" in r:
+            by_steps.setdefault(str(r["num_steps"]), []).append(ok)
     return {
-        "mode": mode, "n": n, "accuracy": mean([float(x) for x in correct]), "mean_turns": mean(turns),
+        "mode": mode, "n": n, "accuracy": mean([float(x) for x in correct]),
+        # binomial standard error of the accuracy: sqrt(p (1 - p) / n)
+        "accuracy_se": round((acc * (1 - acc) / max(1, n)) ** 0.5, 4),
+        "accuracy_by_steps": {k: {"n": len(v), "accuracy": mean([float(x) for x in v])}
+                              for k, v in sorted(by_steps.items(), key=lambda kv: int(kv[0]))},
+        "mean_turns": mean(turns),
         "mean_policy_tokens": mean(pol_tok), "mean_verifier_tokens": mean(ver_tok),
         "format_rate": mean([float(has_final_answer(c.final_text)) for c in convs]),
         "hallucination_score": mean(halluc), "finish_reasons": reasons,
@@ -183,6 +194,8 @@ def combine(results: dict[str, dict]) -> dict:
     out: dict[str, Any] = {
         "guided_accuracy": results["guided"]["accuracy"] if "guided" in results else None,
         "solver_accuracy": results["solver"]["accuracy"] if "solver" in results else None,
+        "guided_accuracy_se": results["guided"].get("accuracy_se") if "guided" in results else None,
+        "solver_accuracy_se": results["solver"].get("accuracy_se") if "solver" in results else None,
     }
     for k in ("mean_turns", "mean_policy_tokens", "mean_verifier_tokens", "format_rate", "hallucination_score"):
         out[k] = main[k]

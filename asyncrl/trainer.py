@@ -425,6 +425,17 @@ def _merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if key in out or not isinstance(value, (int, float)) or isinstance(value, bool):
             continue
         out[key] = sum(p.get(key, 0.0) * p.get("n", 0) for p in parts) / max(n, 1)
+    if "accuracy" in out:  # a standard error does not average across shards: recompute it from the merged n
+        out["accuracy_se"] = round((out["accuracy"] * (1 - out["accuracy"]) / max(n, 1)) ** 0.5, 4)
+    by_steps: dict[str, dict[str, float]] = {}
+    for p in parts:
+        for k, v in (p.get("accuracy_by_steps") or {}).items():
+            b = by_steps.setdefault(k, {"n": 0, "correct": 0.0})
+            b["n"] += v["n"]
+            b["correct"] += v["accuracy"] * v["n"]
+    if by_steps:
+        out["accuracy_by_steps"] = {k: {"n": int(b["n"]), "accuracy": round(b["correct"] / max(b["n"], 1), 4)}
+                                    for k, b in sorted(by_steps.items(), key=lambda kv: int(kv[0]))}
     reasons: dict[str, int] = {}
     for p in parts:
         for r, c in (p.get("finish_reasons") or {}).items():
@@ -456,6 +467,9 @@ def print_summary(summary: dict[str, Any]) -> None:
             fmt = (lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-")  # noqa: E731
             change = f"{a - b:+.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
             lines.append(f"{key:24}{fmt(b):>12}{fmt(a):>12}{change:>12}")
+            se = [d.get(f"{key}_se") for d in (before, after)]
+            if any(isinstance(v, float) for v in se):  # binomial standard errors of the accuracies above
+                lines.append(f"{'  ± std. error':24}{fmt(se[0]):>12}{fmt(se[1]):>12}")
     lines.append(f"steps {summary.get('steps')}  wall {summary.get('wall_s', 0):.0f}s  trained tokens/s "
                  f"{summary.get('trained_tokens_per_s', 0):.0f}  weight sync {summary.get('weight_sync_s', 0):.1f}s")
     if summary.get("staleness_hist"):
