@@ -77,14 +77,20 @@ _set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 _set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
 
 
+_REFIRE_S = 0.25  # re-raise this often while the block still runs: a delivered exception can be lost
+_REFIRES = 20     # (CPython ignores exceptions raised inside gc callbacks and __del__), at most this often
+
+
 @contextmanager
 def deadline(seconds: float | None) -> Iterator[None]:
     """Raise `GradingTimeout` in the current thread if the block runs longer than `seconds`.
 
-    Any thread, no signals. Guarantee: the exception is raised at most once and only inside the
-    block or its exit (a not-yet-delivered exception is cancelled on exit). Pure-Python code is
-    interrupted within a few bytecodes; one long C call only when it returns; code that catches
-    BaseException (bare `except:`) could swallow it, and then the block runs to its end.
+    Any thread, no signals. Pure-Python code is interrupted within a few bytecodes; one long C call
+    only when it returns. The exception is raised only inside the block or its exit: a
+    not-yet-delivered one is cancelled on exit, and one that arrives while the exit runs is caught
+    there. If the block keeps running after the exception was delivered (it landed in a gc callback
+    or `__del__`, where CPython prints and drops exceptions, or the block swallowed it with a bare
+    `except:`), it is raised again every `_REFIRE_S` seconds, up to `_REFIRES` times.
     """
     if seconds is None or seconds <= 0:
         yield
@@ -95,14 +101,16 @@ def deadline(seconds: float | None) -> Iterator[None]:
     fired = []
 
     def watchdog() -> None:
-        # Fires once. Re-firing would risk an exception landing after the block if the target
-        # thread were interrupted before it could mark the block done.
-        if done.wait(seconds):
-            return
-        with lock:
-            if not done.is_set():
+        wait = seconds
+        for _ in range(1 + _REFIRES):
+            if done.wait(wait):
+                return
+            with lock:  # the block's exit sets `done` under the same lock: no raise after it
+                if done.is_set():
+                    return
                 fired.append(True)
                 _set_async_exc(tid, GradingTimeout)
+            wait = _REFIRE_S
 
     threading.Thread(target=watchdog, name="grading-deadline", daemon=True).start()
     try:
@@ -110,10 +118,15 @@ def deadline(seconds: float | None) -> Iterator[None]:
     except GradingTimeout:
         raise GradingTimeout(f"grading exceeded {seconds:g} s") from None
     finally:
-        with lock:
-            done.set()
-            if fired:
-                _set_async_exc(tid, ctypes.py_object())  # NULL: cancel an undelivered exception
+        while True:  # a re-raise that lands while we leave is caught here, never after the block
+            try:
+                with lock:
+                    done.set()
+                    if fired:
+                        _set_async_exc(tid, ctypes.py_object())  # NULL: cancel an undelivered exception
+                break
+            except GradingTimeout:
+                continue
 
 
 # ------------------------------------------------------------------------------- extraction/format

@@ -331,3 +331,22 @@ def test_deadline_never_leaks_an_exception_outside_its_block() -> None:
     t.start()
     t.join(60)
     assert not leaked and outcomes["ok"] + outcomes["timeout"] == 300
+
+
+def test_deadline_raises_again_when_its_exception_is_swallowed() -> None:
+    # The first GradingTimeout is caught by the block (as a gc callback or a bare `except:` would
+    # drop it); the watchdog must raise it again, and the second one ends the block. Without the
+    # re-raise the inner loop would run its full 10 s and the block would exit normally.
+    caught = 0
+    t0 = time.monotonic()
+    with pytest.raises(GradingTimeout):
+        with deadline(0.2):
+            while time.monotonic() - t0 < 10:
+                try:
+                    while time.monotonic() - t0 < 10:
+                        pass
+                except GradingTimeout:
+                    caught += 1
+                    if caught == 2:
+                        raise
+    assert caught == 2
