@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="assets/tiny-policy")
     p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--limit", type=int, default=0, help="first N rows only (0 = all)")
     a = p.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     import asyncrl.eval as ev
     from asyncrl.tasks.arith_verifier import verify_turns
 
-    rows = ev.load_split("arith", a.split)[: a.limit]
+    rows = ev.load_split("arith", a.split)
+    rows = rows[: a.limit] if a.limit else rows
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     llm = ev.build_llm(a.model, max_model_len=384)
     res = ev.evaluate_with_llm(llm, tokenizer, rows, "guided", return_conversations=True)

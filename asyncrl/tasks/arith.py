@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--difficulty", type=int, default=2, choices=sorted(DIFFICULTY))
     p.add_argument("--train", type=int, default=4000)
     p.add_argument("--val", type=int, default=200)
-    p.add_argument("--test", type=int, default=200)
+    p.add_argument("--test", type=int, default=1000)
     a = p.parse_args(argv)
     write_splits(a.out, {"train": a.train, "val": a.val, "test": a.test}, a.seed, a.difficulty)
     print(f"wrote {a.out}/{{train,val,test}}.jsonl")
