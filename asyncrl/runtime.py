@@ -323,7 +323,11 @@ def run(cfg: Config) -> int:
             "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}))
         from asyncrl.trainer import Trainer
 
-        return Trainer(cfg, topo, run_dir, stop, resume).train()
+        trainer = Trainer(cfg, topo, run_dir, stop, resume)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()  # before the topology goes: nothing of the run is left to the GC
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

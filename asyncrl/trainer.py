@@ -94,6 +94,10 @@ class Trainer:
         self.finish()
         return rc
 
+    def close(self) -> None:
+        """Release the driver-side resources (the buffer client's ZeroMQ context); idempotent."""
+        self.buffer_client.close()
+
     _stop_requested_by_ctl = False
     _last_groups: list[Any] = []
 

@@ -18,6 +18,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from typing import Any
 
 import zmq
@@ -62,6 +63,15 @@ class BufferTimeout(TimeoutError):
     """No reply from the server before the deadline (server down or unreachable)."""
 
 
+def _close_sockets(sockets: list[zmq.Socket], lock: threading.Lock, ctx: zmq.Context) -> None:
+    with lock:
+        for sock in sockets:
+            sock.close(linger=0)
+        sockets.clear()
+    if not ctx.closed:
+        ctx.destroy(linger=0)
+
+
 class BufferClient:
     def __init__(self, address: str, curve: CurveConfig | None = None, *, actor_id: str = "",
                  hwm: int = 64, reply_grace_s: float = 30.0, max_frame_bytes: int = 256 * 2**20) -> None:
@@ -75,6 +85,12 @@ class BufferClient:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._stash: list[Group] = []  # groups from batch replies that arrived after their timeout
+        # Closes the sockets and the context when the client is closed or collected. A client in a
+        # reference cycle would otherwise hang the process in the collector: CPython clears the
+        # context's weak references to its sockets before any finalizer runs, so the context's own
+        # `__del__` closes nothing and `zmq_ctx_term` waits forever for the still-open sockets. The
+        # finalizer holds the sockets and the context strongly, so they are never part of that cycle.
+        self._finalizer = weakref.finalize(self, _close_sockets, self._sockets, self._lock, self._ctx)
 
     @property
     def version(self) -> int | None:
@@ -220,11 +236,8 @@ class BufferClient:
         return reply.detail
 
     def close(self) -> None:
-        with self._lock:
-            for sock in self._sockets:
-                sock.close(linger=0)
-            self._sockets.clear()
-        self._ctx.term()
+        """Close every socket and the context (idempotent; also done when the client is collected)."""
+        self._finalizer()
 
     def __enter__(self) -> BufferClient:
         return self

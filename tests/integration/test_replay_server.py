@@ -341,3 +341,32 @@ def test_batch_reply_arriving_after_timeout_is_not_lost() -> None:
         client.close()
         router.close()
         ctx.term()
+
+
+def test_a_client_dropped_in_a_reference_cycle_does_not_hang_the_collector() -> None:
+    # The launcher's Trainer held a client in a cycle; after a run the collector ran the context's
+    # __del__ with its socket weakrefs already cleared and zmq_ctx_term waited forever (seen: the
+    # e2e benchmark's second run hung in matplotlib, where the collection happened). In a child
+    # process, so the failure is a timeout, not a hung suite.
+    code = (
+        "import gc\n"
+        "from asyncrl.replay.client import BufferClient\n"
+        "c = BufferClient('tcp://127.0.0.1:1')\n"
+        "c._sock()\n"
+        "c.cycle = c\n"
+        "del c\n"
+        "gc.collect()\n"
+        "print('collected')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "collected" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_client_close_is_idempotent() -> None:
+    from asyncrl.replay.client import BufferClient
+
+    c = BufferClient("tcp://127.0.0.1:1")
+    sock = c._sock()
+    c.close()
+    c.close()
+    assert sock.closed and c._ctx.closed
