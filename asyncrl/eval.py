@@ -77,6 +77,11 @@ def _verifier_fn(task: str, mode: Mode) -> Callable[[list[dict]], str]:
     return get_rule_verifier(task)
 
 
+def accuracy_se(accuracy: float, n: int) -> float:
+    """Binomial standard error of an accuracy over n rows: sqrt(p (1 - p) / n)."""
+    return round((accuracy * (1 - accuracy) / max(1, n)) ** 0.5, 4)
+
+
 def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: str, mode: Mode) -> dict:
     """Per-mode numbers from finished conversations (see the module docstring)."""
     from asyncrl.actors.guided import has_final_answer
@@ -104,15 +109,13 @@ def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: 
     def mean(xs: Sequence[float]) -> float:
         return round(sum(xs) / max(1, len(xs)), 4)
 
-    acc = sum(correct) / max(1, n)
     by_steps: dict[str, list[bool]] = {}
     for ok, r in zip(correct, rows, strict=True):
         if "num_steps" in r:
             by_steps.setdefault(str(r["num_steps"]), []).append(ok)
     return {
         "mode": mode, "n": n, "accuracy": mean([float(x) for x in correct]),
-        # binomial standard error of the accuracy: sqrt(p (1 - p) / n)
-        "accuracy_se": round((acc * (1 - acc) / max(1, n)) ** 0.5, 4),
+        "accuracy_se": accuracy_se(sum(correct) / max(1, n), n),
         "accuracy_by_steps": {k: {"n": len(v), "accuracy": mean([float(x) for x in v])}
                               for k, v in sorted(by_steps.items(), key=lambda kv: int(kv[0]))},
         "mean_turns": mean(turns),

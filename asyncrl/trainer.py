@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, VerifierConfig
+from asyncrl.eval import accuracy_se
 from asyncrl.metrics import MetricLogger, format_console, save_plots
 from asyncrl.runtime import StopFlag, Topology, enrol, say, start_actors, sync_weights, withdraw
 
@@ -430,7 +431,7 @@ def _merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out[key] = sum(p.get(key, 0.0) * p.get("n", 0) for p in parts) / max(n, 1)
     if "accuracy" in out:  # a standard error does not average across shards: recompute it from the merged n
-        out["accuracy_se"] = round((out["accuracy"] * (1 - out["accuracy"]) / max(n, 1)) ** 0.5, 4)
+        out["accuracy_se"] = accuracy_se(out["accuracy"], n)
     by_steps: dict[str, dict[str, float]] = {}
     for p in parts:
         for k, v in (p.get("accuracy_by_steps") or {}).items():

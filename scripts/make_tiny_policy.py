@@ -112,13 +112,14 @@ def main() -> None:
     dialogues = [
         synth_dialogue(pr, rng, "solver" if rng.random() < a.solver_fraction else "guided") for pr in problems
     ]
-    corpus = [m["content"] for d in dialogues[:5000] for m in d]
-    corpus += [CONTINUE_PROMPT, verify_turns("Compute 1 + 2.", ["hello"]).text, *(["user", "assistant", "system"] * 50)]
     if a.init:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(a.init)
     else:
+        corpus = [m["content"] for d in dialogues[:5000] for m in d]
+        corpus += [CONTINUE_PROMPT, verify_turns("Compute 1 + 2.", ["hello"]).text,
+                   *(["user", "assistant", "system"] * 50)]
         tok = build_tokenizer(corpus, a.vocab_size)
     data = [encode_dialogue(tok, d, a.max_len) for d in dialogues]
     n_tok = sum(sum(1 for x in lab if x != -100) for _, lab in data)
