@@ -92,7 +92,8 @@ class DataConfig(Section):
 
 # ---------------------------------------------------------------------------------------- algorithm
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax"] = "grpo"
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                           "grpo_passk", "remax"] = "grpo"
     """Advantage estimator. Group estimators need `rollout.n > 1`."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of REINFORCE++ token returns."""
@@ -362,15 +363,21 @@ class OptimConfig(Section):
 
 
 class OffPolicyConfig(Section):
-    mode: Literal["none", "bypass", "tis", "mis", "seq_tis", "seq_mis", "decoupled"] = "tis"
-    """Correction between behaviour (engine) and proximal (learner at step start) policies."""
+    mode: Literal["none", "bypass", "tis", "mis", "rs", "seq_tis", "seq_mis", "seq_rs", "decoupled"] = "tis"
+    """Correction between behaviour (engine) and proximal (learner at step start) policies, weight w
+    of r = pi_prox/mu: tis min(r, cap); mis (masked IS) r * 1[low <= r <= high]; rs (rejection only)
+    1[low <= r <= high]; seq_* the same on the sequence ratio (`seq_ratio`); decoupled r * 1[r <= cap]."""
     cap: float = Field(2.0, gt=0)
     """tis/seq_tis: upper clamp C of the importance weight; decoupled: tokens whose pi_prox/mu
     exceeds it get weight 0 (AReaL's behav_imp_weight_cap; AReaL uses 5)."""
     low: float = Field(0.5, ge=0)
-    """mis/seq_mis: tokens (or sequences) with ratio below this are masked."""
+    """mis/rs/seq_mis/seq_rs: tokens (or sequences) with ratio below this are masked."""
     high: float = Field(2.0, gt=0)
-    """mis/seq_mis: tokens (or sequences) with ratio above this are masked."""
+    """mis/rs/seq_mis/seq_rs: tokens (or sequences) with ratio above this are masked."""
+    seq_ratio: Literal["geometric_mean", "product"] = "geometric_mean"
+    """seq_tis/seq_mis/seq_rs: the sequence ratio. geometric_mean = exp(mean_t log r_t) (AReaL's
+    choice: a bound means the same for short and long sequences); product = prod_t r_t (the exact
+    sequence importance weight, as verl and TRL define sequence-level TIS; its spread grows with length)."""
 
 
 class KLConfig(Section):
@@ -430,6 +437,10 @@ class LearnerConfig(Section):
     """Policy loss; ppo = Guided-GRPO's `default` (asymmetric + dual clip)."""
     loss_avg_mode: Literal["token", "seq", "seq_sum_token_mean"] = "token"
     """Aggregation: global token mean, mean of per-sequence means, or Dr.GRPO's sum / max tokens."""
+    norm_length: int | None = Field(None, gt=0)
+    """Dr.GRPO (loss_avg_mode=seq_sum_token_mean): the constant each sequence's token sum is divided
+    by, the same every step (the paper's MAX_TOKENS). None = the configured response budget:
+    data.max_response_length, times rollout.guide.max_turns when the guide trains every turn (full_turn)."""
     clip_eps_low: float = Field(0.2, ge=0)
     """PPO epsilon below 1."""
     clip_eps_high: float = Field(0.3, ge=0)
@@ -535,6 +546,9 @@ class Config(Section):
         if r.max_model_len is None:
             turns = g.max_turns if g.enable else 1
             r.max_model_len = d.max_prompt_length + turns * (d.max_response_length + g.sampling.max_tokens)
+        if self.learner.norm_length is None:  # Dr.GRPO's constant: the policy-token budget of one sample
+            full = g.enable and g.train_scope == "full_turn"
+            self.learner.norm_length = d.max_response_length * (g.max_turns if full else 1)
         if r.max_num_batched_tokens < d.max_prompt_length + d.max_response_length:
             problems.append(
                 f"rollout.max_num_batched_tokens ({r.max_num_batched_tokens}) must be >= data.max_prompt_length"
@@ -545,7 +559,8 @@ class Config(Section):
                 f"rollout.max_model_len ({r.max_model_len}) must be >= data.max_prompt_length + "
                 f"data.max_response_length ({d.max_prompt_length + d.max_response_length})"
             )
-        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk") and r.n < 2:
+        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo", "grpo_passk",
+                                            "reinforce_plus_plus_baseline") and r.n < 2:
             problems.append(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n > 1 (got {r.n})")
         if g.train_scope == "full_turn" and g.history != "full":
             problems.append("rollout.guide.train_scope=full_turn requires rollout.guide.history=full")

@@ -8,7 +8,7 @@ import sys
 
 from asyncrl.cli import add_config_args, config_from_args
 
-SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate"]
+SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenario", choices=SCENARIOS)
     parser.add_argument("--output", default="bench", help="directory for JSON and plots")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for tests")
+    parser.add_argument("--full", action="store_true", help="convergence: the full grid (η 0,1,2,4; 200 steps per run)")
     add_config_args(parser)
     args = parser.parse_intermixed_args(argv)
     cfg = config_from_args(args, require_files=False)

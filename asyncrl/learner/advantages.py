@@ -21,6 +21,10 @@ Follows Guided-GRPO (GUIDED_GRPO.md 5.1):
 - `reinforce_plus_plus`: G_t = r_t + gamma * G_{t'} over trained tokens; masked whitening over
   the whole batch, (G - mean) / sqrt(var + 1e-8), var with Bessel's correction; no baseline.
 - `remax`: A_i = s_i - b_i with b_i the caller-given greedy-rollout score (`baseline_rewards`).
+Not in Guided-GRPO:
+- `reinforce_plus_plus_baseline` (REINFORCE++ paper v2, verl's estimator of that name): the group
+  mean as baseline, then whitening over every trained token of the batch: a_i = s_i - mean_g on each
+  trained token, A = (a - mean) / sqrt(var + 1e-8), mean and (Bessel) var over the masked tokens.
 Departs from Guided-GRPO:
 - `grpo` takes `norm_by_std=False` (the original has no such switch) = Dr.GRPO's numerator.
 - `dr_grpo` (not in the original): A_i = s_i - mean_g, no std, no length normalisation (pair it
@@ -54,8 +58,10 @@ __all__ = [
     "ESTIMATORS",
 ]
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "grpo_passk", "remax")
+Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk",
+                    "remax"]
+ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                               "grpo_passk", "remax")
 
 
 def group_ids(group_index: Tensor | Sequence[Hashable], device: torch.device | None = None) -> Tensor:
@@ -112,12 +118,17 @@ def _reinforce_plus_plus(token_rewards: Tensor, mask: Tensor, gamma: float, eps:
         # untrained positions are skipped: the return flows across them unchanged
         running = m * (token_rewards[:, t] + gamma * running) + (1 - m) * running
         returns[:, t] = running * m
+    return _whiten(returns, mask, eps)
+
+
+def _whiten(x: Tensor, mask: Tensor, eps: float) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the trained tokens of the whole batch (Bessel var), 0 elsewhere."""
     n = mask.sum()
     if n < 2:
         raise ValueError("reinforce_plus_plus whitening needs >= 2 trained tokens in the batch")
-    mean = (returns * mask).sum() / n
-    var = (((returns - mean) ** 2) * mask).sum() / (n - 1)
-    return (returns - mean) * torch.rsqrt(var + eps) * mask
+    mean = (x * mask).sum() / n
+    var = (((x - mean) ** 2) * mask).sum() / (n - 1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def compute_advantages(
@@ -136,7 +147,7 @@ def compute_advantages(
 
     Options: `eps` (grpo/grpo_passk std epsilon, 1e-6 as the original), `norm_by_std`
     (grpo/grpo_passk; False = no std division), `gamma` (reinforce_plus_plus discount),
-    `whiten_eps` (reinforce_plus_plus, 1e-8 as the original), `baseline_rewards` ([N], remax).
+    `whiten_eps` (reinforce_plus_plus[_baseline], 1e-8 as the original), `baseline_rewards` ([N], remax).
     """
     mask = response_mask.float()
     if rewards.shape[0] != mask.shape[0] or (rewards.dim() == 2 and rewards.shape != mask.shape):
@@ -155,6 +166,9 @@ def compute_advantages(
     gid = group_ids(group_index, device=scores.device)
     if gid.shape[0] != scores.shape[0]:
         raise ValueError("group_index must have one entry per sample")
+    if estimator == "reinforce_plus_plus_baseline":
+        _, mean, _ = _group_stats(scores, gid, 2, estimator)
+        return _whiten((scores.double() - mean).float()[:, None] * mask, mask, whiten_eps)
     if estimator in ("grpo", "dr_grpo", "grpo_passk"):
         _, mean, std = _group_stats(scores, gid, 2, estimator)
         if estimator == "grpo":

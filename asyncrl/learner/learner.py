@@ -371,7 +371,7 @@ class LearnerWorker:
         advantages, extra = self._advantages(flat, anchor, logp_ref)
 
         temp = self.cfg.rollout.temperature
-        norm_length = float(flat.response_mask.shape[1])
+        norm_length = float(lc.norm_length or self.cfg.data.max_response_length)  # Dr.GRPO: a constant budget
         metric_parts: list[dict[str, torch.Tensor]] = []
         grad_norms: list[float] = []
         lrs: list[float] = []

@@ -16,12 +16,16 @@ correction reweights for pi_prox != mu (off-policy lag and engine/learner numeri
    `cispo`: L = -A sg(clamp(ratio, 1 - cispo_eps_low, 1 + cispo_eps_high)) logp_t with
    `cispo_eps_low = None` meaning no lower bound, as the CISPO paper means it (the original's
    recipe, clip_ratio_low = 0, raised every weight below 1 to 1: item 17).
-3. correction weight w (detached, `off_policy_weights`), multiplied into L: `none` / `bypass`
-   w = 1; `tis` w = min(pi_prox/mu, cap); `mis` w = 1[low <= pi_prox/mu <= high]; `seq_tis` /
-   `seq_mis` the same on the per-sequence geometric mean of pi_prox/mu; `decoupled` (AReaL)
-   w = pi_prox/mu where it is <= cap, else 0 (AReaL's `behav_imp_weight_cap` filters rather than
-   clamps; the clamped form min(pi_prox/mu, cap) under a pi/pi_prox clip is exactly `tis`).
-   Masked tokens stay in the normaliser, so the global token count is known before the step.
+3. correction weight w (detached, `off_policy_weights`) of r = pi_prox/mu, multiplied into L:
+   `none` / `bypass` w = 1; `tis` w = min(r, cap); `mis` (masked importance sampling, as TRL's
+   `token_mask` and AReaL's `mask`) w = r 1[low <= r <= high]; `rs` (rejection only, verl's
+   rejection mode) w = 1[low <= r <= high]; `seq_tis` / `seq_mis` / `seq_rs` the same on one ratio
+   per sequence, r_i = the geometric mean of its token ratios (`seq_ratio=geometric_mean`, AReaL's
+   choice: a bound means the same at any length) or their product (`seq_ratio=product`, the exact
+   sequence weight, as verl and TRL define sequence-level TIS); `decoupled` (AReaL) w = r where
+   r <= cap, else 0 (AReaL's `behav_imp_weight_cap` filters rather than clamps; the clamped form
+   min(r, cap) under a pi/pi_prox clip is exactly `tis`). Masked tokens stay in the normaliser, so
+   the global token count is known before the step.
 4. loss = agg(w L) + beta agg(kl(logp, logp_ref)) [KL as loss] - entropy_coef agg(H).
 
 Aggregation (`loss_avg_mode`), exact under any micro-batch / rank split when the caller passes
@@ -30,8 +34,9 @@ the normalisers of the WHOLE mini-batch over ALL ranks (sum `loss_normalisers` o
 - `seq`: sum_i [sum_t m x / sum_t m] / global_num_seqs (a true mean of per-sequence means; the
   original re-weights it by micro-batch token counts, item 18);
 - `seq_sum_token_mean` (Dr.GRPO): sum_i [sum_t m x / norm_length] / global_num_seqs, with
-  norm_length a constant (default: T of the tensor; pass the max response length so every
-  micro-batch uses the same one).
+  norm_length a constant across micro-batches AND steps (the learner passes
+  `learner.norm_length`, the configured response budget, the paper's MAX_TOKENS; without it, T of
+  the tensor, which moves with the longest response of the batch).
 The returned loss is this micro-batch's SHARE: summed over every micro-batch of every rank it is
 the full-batch loss. An engine that averages gradients over W ranks and divides by the number of
 accumulation steps must multiply it by W x steps before backward. Without normalisers each call
@@ -235,17 +240,20 @@ def off_policy_weights(
     if logp_proximal is None or logp_behaviour is None:
         raise ValueError(f"off_policy.mode={mode} needs logp_proximal and logp_behaviour")
     log_w = (logp_proximal.detach().float() - logp_behaviour.detach().float()) * mask
-    if mode in ("seq_tis", "seq_mis"):  # geometric mean of the token ratios of each sequence
-        log_w = (log_w.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)).expand_as(
-            mask
-        )
+    if mode.startswith("seq_"):  # one ratio per sequence, on every one of its tokens
+        log_w = log_w.sum(dim=1, keepdim=True)
+        if config.seq_ratio == "geometric_mean":
+            log_w = log_w / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+        log_w = log_w.expand_as(mask)
     raw = torch.exp(log_w.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
     if mode in ("tis", "seq_tis"):
         clipped = (raw > config.cap).float()
         weight = raw.clamp(max=config.cap)
-    elif mode in ("mis", "seq_mis"):
+    elif mode in ("mis", "seq_mis", "rs", "seq_rs"):
         keep = (raw >= config.low) & (raw <= config.high)
-        clipped, weight = (~keep).float(), keep.float()
+        clipped = (~keep).float()
+        kept = raw if mode in ("mis", "seq_mis") else torch.ones_like(raw)  # rs: reject only, no reweighting
+        weight = torch.where(keep, kept, torch.zeros_like(raw))
     elif mode == "decoupled":
         keep = raw <= config.cap
         clipped, weight = (~keep).float(), torch.where(keep, raw, torch.zeros_like(raw))

@@ -143,7 +143,8 @@ BEH = [[-LN(r)] for r in RATIOS]
     [
         ("none", [1, 1, 1, 1], 0.0),
         ("tis", [2, 0.25, 1, 1.5], 0.25),  # min(r, 2)
-        ("mis", [0, 0, 1, 1], 0.5),  # keep 0.5 <= r <= 2
+        ("mis", [0, 0, 1, 1.5], 0.5),  # masked IS: r * 1[0.5 <= r <= 2]
+        ("rs", [0, 0, 1, 1], 0.5),  # rejection only: 1[0.5 <= r <= 2]
         ("decoupled", [0, 0.25, 1, 1.5], 0.25),  # AReaL: r if r <= cap (2) else 0
     ],
 )
@@ -172,7 +173,8 @@ def test_bypass_uses_behaviour_as_anchor():
     [
         # seq0 token ratios [9, 1] -> geometric mean 3; seq1 [0.36, 1] -> 0.6
         ("seq_tis", -(2 + 2 + 0.6 + 0.6) / 4),  # w = min(gm, 2) = [2, 2, 0.6, 0.6] -> -1.3
-        ("seq_mis", -(0 + 0 + 1 + 1) / 4),  # seq0 outside [0.5, 2] masked -> -0.5
+        ("seq_mis", -(0 + 0 + 0.6 + 0.6) / 4),  # seq0 outside [0.5, 2] masked, seq1 weighted 0.6 -> -0.3
+        ("seq_rs", -(0 + 0 + 1 + 1) / 4),  # rejection only: seq0 masked, seq1 weight 1 -> -0.5
     ],
 )
 def test_sequence_corrections(mode, expected):
