@@ -28,7 +28,8 @@ rollout.seed and trainer.seed). Run size: `ASYNCRL_BENCH_STEPS` (60; `--full` 20
 rows, 100; `--full` all; a .jsonl validation file only), `ASYNCRL_BENCH_TEST_ROWS` (all).
 Runs go seed by seed (the first seed's whole grid before the second's), η = 0 first.
 `ASYNCRL_BENCH_REUSE=1` takes a cell from its run directory when that holds a finished run of the
-same length (an interrupted grid continues where it stopped; the figures are re-derived).
+same length (an interrupted grid continues where it stopped; the figures are re-derived);
+`ASYNCRL_BENCH_REUSE=only` runs nothing and reports the finished cells (the others as not run).
 """
 
 from __future__ import annotations
@@ -116,8 +117,11 @@ def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: st
                                  f"-{cell['mode']}-seed{cell['seed']}")
     run_dir = c.run_path
     t0 = time.time()
-    if os.environ.get("ASYNCRL_BENCH_REUSE") == "1" and _finished(run_dir, p["steps"]):
+    reuse = os.environ.get("ASYNCRL_BENCH_REUSE", "0")
+    if reuse in ("1", "only") and _finished(run_dir, p["steps"]):
         print(f"[convergence] reusing the finished run in {run_dir}", flush=True)
+    elif reuse == "only":
+        raise RuntimeError(f"not run (ASYNCRL_BENCH_REUSE=only, no finished run in {run_dir})")
     else:
         for stale in ("metrics.jsonl", "summary.json"):
             (run_dir / stale).unlink(missing_ok=True)

@@ -1,6 +1,7 @@
 """Proves every advantage estimator of `asyncrl.learner.advantages` against hand-derived values:
 grpo (unbiased std, eps 1e-6, zero-variance group -> 0, optional no-std), dr_grpo, rloo,
-reinforce_plus_plus (discounted returns + batch whitening, holes in the mask), grpo_passk (the
+reinforce_plus_plus (discounted returns + batch whitening, holes in the mask), reinforce_plus_plus_baseline
+(group mean, then batch whitening), grpo_passk (the
 original's bug fixed: non-best samples get 0), remax; masking, grouping and input checks."""
 
 from __future__ import annotations
@@ -205,3 +206,24 @@ def test_turn_token_scores_map_turns_and_score_an_accepted_final_turn() -> None:
     assert same(row(sample(), None), [0, 0, nan, 1, nan, nan, nan])
     assert same(row(sample(has_final_answer=False), 1.0), [0, 0, nan, 1, nan, nan, nan])
     assert same(row(sample(stop_causes=["", "", "empty"]), 1.0), [0, 0, nan, 1, nan, nan, nan])
+
+
+def test_reinforce_plus_plus_baseline_group_mean_then_batch_whitening():
+    # scores [1, 0 | 1, 1] in groups 0, 0, 1, 1; trained tokens per sample [2, 1, 1, 1]
+    # group-mean baseline: a = s - mean_g = [0.5, -0.5, 0, 0], on every trained token:
+    #   tokens [0.5, 0.5 | -0.5 | 0 | 0], n = 5, mean 0.1, deviations [0.4, 0.4, -0.6, -0.1, -0.1]
+    #   Bessel var = (0.16 + 0.16 + 0.36 + 0.01 + 0.01) / 4 = 0.175 -> A = dev / sqrt(0.175 + 1e-8)
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    adv = compute_advantages("reinforce_plus_plus_baseline", scores, [0, 0, 1, 1], mask)
+    sd = math.sqrt(0.175 + 1e-8)
+    _close(adv, [[0.4 / sd, 0.4 / sd], [-0.6 / sd, 0.0], [-0.1 / sd, 0.0], [-0.1 / sd, 0.0]], atol=1e-5)
+    # whitened: zero mean and unit (Bessel) variance over the trained tokens
+    vals = adv[mask > 0]
+    assert float(vals.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(vals.var(unbiased=True)) == pytest.approx(1.0, abs=1e-5)
+    # the config route selects it, and a group of one is refused (rollout.n > 1)
+    config = AlgorithmConfig(adv_estimator="reinforce_plus_plus_baseline")
+    torch.testing.assert_close(advantages_from_config(config, scores, [0, 0, 1, 1], mask), adv)
+    with pytest.raises(ValueError, match=">= 2 samples"):
+        compute_advantages("reinforce_plus_plus_baseline", scores, [0, 1, 2, 2], mask)

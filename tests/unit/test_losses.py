@@ -1,7 +1,8 @@
 """Proves `asyncrl.learner.losses` against hand-derived values and gradients: the PPO surrogate
 (asymmetric clip + dual clip), gspo, gspo_token, cispo (paper bounds vs the original recipe),
-the three aggregation modes, every off-policy correction mode, KL as a loss term, the entropy
-bonus, the metrics' [sum, count] algebra, exact gradient accumulation (token, seq and Dr.GRPO
+the three aggregation modes (Dr.GRPO's constant normaliser), every off-policy correction mode
+(masked IS vs rejection only, geometric-mean vs product sequence ratios, with gradients), the KL
+estimators' values and gradients in and beyond their clamps, GSPO's dual clip, the entropy bonus, the metrics' [sum, count] algebra, exact gradient accumulation (token, seq and Dr.GRPO
 modes over 4 micro-batches = one batch within 1e-6), and the chunked log-prob / entropy helpers."""
 
 from __future__ import annotations
@@ -87,6 +88,24 @@ def test_gspo_vs_gspo_token_gradients():
     torch.testing.assert_close(grad, torch.tensor([[-0.5, -1.5]]))
 
 
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
+def test_gspo_dual_clip(loss_type):
+    # one sequence, log-ratios [1.5, 1.5] -> s = 1.5, ratio e^1.5 = 4.481689, A = -1 on both tokens
+    # clip: max(-A r, -A clip(r, 0.8, 1.3)) = max(4.4817, 1.3) = 4.4817; dual: min(4.4817, c = 3) = 3
+    # -> loss 3 per token, constant: gradient 0, every token dual-clipped
+    loss, grad, m = run([[1.5, 1.5]], [[0.0, 0.0]], [[-1.0, -1.0]], config=cfg(loss_type=loss_type))
+    assert loss == pytest.approx(3.0, abs=1e-6)
+    assert grad.abs().max() == 0 and m["train/clipfrac_dual"] == 1.0
+    # below the dual bound: log-ratios [0.3, 0.7] -> s = 0.5, r = e^0.5 = 1.648721 > 1.3 but A < 0,
+    # so max(1.6487, 1.3) = 1.6487 < 3 stays; loss = -A e^s = 1.648721 on both tokens
+    # gspo: dloss/dlogp_t = -A e^s ds/dlogp_t = 1.648721 / 2 for each t (s is the mean of 2)
+    # gspo_token: l_t = sg(s) + logp_t - sg(logp_t): dloss/dlogp_t = -A e^s / 2 (token mean) = same
+    loss, grad, m = run([[0.3, 0.7]], [[0.0, 0.0]], [[-1.0, -1.0]], config=cfg(loss_type=loss_type))
+    assert loss == pytest.approx(math.exp(0.5), abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[math.exp(0.5) / 2] * 2]))
+    assert m["train/clipfrac_dual"] == 0.0
+
+
 def test_cispo_paper_bounds_and_original_recipe():
     # token 0: A=+1, logp=-1, ratio 0.5 (prox = -1 - ln 0.5); token 1: A=+1, logp=-2, ratio 8
     # paper (cispo_eps_low None, eps_high 4): w = [0.5, min(8, 5) = 5]
@@ -121,6 +140,34 @@ def test_aggregation_modes(mode, extra, expected):
     zeros = [[0.0] * 3] * 2
     loss, _, _ = run(zeros, zeros, AGG_ADV, AGG_MASK, cfg(loss_avg_mode=mode), **extra)
     assert loss == pytest.approx(expected, abs=1e-6)
+
+
+def test_dr_grpo_constant_normaliser():
+    # Dr.GRPO divides each sequence's token sum by a constant: the gradient on sequence 0's one token
+    # (A = +1, ratio 1) must not change when another sequence in the batch is longer.
+    # batch a: seq0 [1 token], seq1 [2 tokens]; batch b: seq0 [1 token], seq1 [4 tokens]
+    # with norm_length = 8: dloss/dlogp_00 = -A / 8 / (2 sequences) = -1/16 in both batches
+    # without it (T of the tensor, 2 then 4): -1/4 then -1/8 -- the weight the learner no longer uses
+    def grad00(t, **kw):
+        mask = [[1.0] + [0.0] * (t - 1), [1.0] * t]
+        zeros = [[0.0] * t] * 2
+        _, g, _ = run(zeros, zeros, [[1.0] * t] * 2, mask, cfg(loss_avg_mode="seq_sum_token_mean"), **kw)
+        return float(g[0, 0])
+
+    assert grad00(2, norm_length=8) == pytest.approx(-1 / 16) and grad00(4, norm_length=8) == pytest.approx(-1 / 16)
+    assert grad00(2) == pytest.approx(-1 / 4) and grad00(4) == pytest.approx(-1 / 8)
+
+
+def test_dr_grpo_norm_length_is_the_configured_response_budget():
+    from asyncrl.config import Config
+
+    # guide trains the final turn only: one turn's budget, data.max_response_length
+    assert Config(data={"max_response_length": 96}).learner.norm_length == 96
+    # full_turn trains every policy turn: max_turns x max_response_length (quick start: 4 x 64)
+    full = Config(data={"max_response_length": 64}, rollout={"guide": {"max_turns": 4, "train_scope": "full_turn",
+                                                                         "history": "full"}})
+    assert full.learner.norm_length == 256
+    assert Config(learner={"norm_length": 100}).learner.norm_length == 100
 
 
 def test_seq_mode_gradient():
@@ -159,6 +206,31 @@ def test_token_corrections(mode, weights, clipped):
     assert m["train/mismatch_kl"] == pytest.approx(sum(r - LN(r) - 1 for r in RATIOS) / 4, abs=1e-6)
 
 
+def test_masked_is_reproducer():
+    # one token, logp = logp_prox = 0 (ratio e^0 = 1, unclipped), A = +1, pi_prox / mu = 1.5:
+    # masked IS w = r * 1[0.5 <= r <= 2] = 1.5 -> L = -A * ratio * w = -1.5,
+    # dL/dlogp = -A * w * d(e^(logp - prox))/dlogp = -1.5 (TRL token_mask, AReaL mask give the same)
+    beh = [[-LN(1.5)]]
+    loss, grad, m = run([[0.0]], [[0.0]], [[1.0]], config=cfg("mis"), behaviour=beh)
+    assert loss == pytest.approx(-1.5, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-1.5]]))
+    assert m["train/is_clipped_frac"] == 0.0
+    # rejection only keeps the token unweighted: w = 1 -> loss and grad -1
+    loss, grad, _ = run([[0.0]], [[0.0]], [[1.0]], config=cfg("rs"), behaviour=beh)
+    assert loss == pytest.approx(-1.0, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0]]))
+
+
+def test_masked_is_weights_an_unclipped_ratio():
+    # the weight multiplies the PPO surrogate, whose gradient is -A w r where the clip is inactive:
+    # logp = 0.1, prox = 0 -> r = e^0.1 = 1.105171 (inside [0.8, 1.3]); pi_prox / mu = 0.7, A = -2
+    # mis: w = 0.7 -> L = max(2 * 1.105171, 2 * 1.105171) * 0.7 = 1.547240 (no dual clip: 2.21 < 6)
+    #      dL/dlogp = -A w r = 2 * 0.7 * 1.105171 = 1.547240
+    loss, grad, _ = run([[0.1]], [[0.0]], [[-2.0]], config=cfg("mis"), behaviour=[[-LN(0.7)]])
+    assert loss == pytest.approx(2 * 0.7 * math.exp(0.1), abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[2 * 0.7 * math.exp(0.1)]]))
+
+
 def test_bypass_uses_behaviour_as_anchor():
     # anchor = mu: ratio = pi/mu = [3, 0.25, 1, 1.5] (logp = 0), A = +1
     # -> max(-r, -clip(r, 0.8, 1.3)) = [max(-3, -1.3), max(-0.25, -0.8), -1, max(-1.5, -1.3)]
@@ -183,6 +255,51 @@ def test_sequence_corrections(mode, expected):
     loss, _, m = run(zeros, zeros, [[1.0, 1.0], [1.0, 1.0]], config=cfg(mode), behaviour=beh)
     assert loss == pytest.approx(expected, abs=1e-6)
     assert m["train/is_clipped_frac"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("mode", "grad"),
+    [
+        # logp = prox = 0, A = +1, token mean over 4 tokens: L_t = -w_t e^(logp_t), w detached
+        # -> dloss/dlogp_t = -w_t / 4 with w from the geometric means above (3 and 0.6)
+        ("seq_tis", [[-2 / 4, -2 / 4], [-0.6 / 4, -0.6 / 4]]),  # w = [2, 2, 0.6, 0.6]
+        ("seq_mis", [[0.0, 0.0], [-0.6 / 4, -0.6 / 4]]),  # w = [0, 0, 0.6, 0.6]
+        ("seq_rs", [[0.0, 0.0], [-1 / 4, -1 / 4]]),  # w = [0, 0, 1, 1]
+    ],
+)
+def test_sequence_correction_gradients(mode, grad):
+    beh = [[-LN(9.0), 0.0], [-LN(0.36), 0.0]]
+    zeros = [[0.0, 0.0], [0.0, 0.0]]
+    _, g, _ = run(zeros, zeros, [[1.0, 1.0], [1.0, 1.0]], config=cfg(mode), behaviour=beh)
+    torch.testing.assert_close(g, torch.tensor(grad))
+
+
+def test_sequence_ratio_product_vs_geometric_mean():
+    # seq0: token ratios [0.6, 0.6, 0.6] -> geometric mean 0.6, product 0.216
+    # seq1: [0.8, 0.9, pad]            -> geometric mean sqrt(0.72) = 0.848528, product 0.72
+    # logp = prox = 0, A = +1, token mean over 5 trained tokens; loss = -sum_t w_t / 5
+    beh = [[-LN(0.6)] * 3, [-LN(0.8), -LN(0.9), 0.0]]
+    mask = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    zeros = [[0.0] * 3] * 2
+    ones = [[1.0] * 3] * 2
+    gm, prod = math.sqrt(0.72), 0.72
+
+    def loss_of(mode, seq_ratio):
+        c = cfg(mode, off_policy={"seq_ratio": seq_ratio})
+        return run(zeros, zeros, ones, mask, c, behaviour=beh)
+
+    # seq_mis, geometric mean: both in [0.5, 2] -> w = [0.6 x3, gm x2]
+    loss, grad, _ = loss_of("seq_mis", "geometric_mean")
+    assert loss == pytest.approx(-(3 * 0.6 + 2 * gm) / 5, abs=1e-6)
+    torch.testing.assert_close(grad, -torch.tensor([[0.6 / 5] * 3, [gm / 5, gm / 5, 0.0]]))
+    # seq_mis, product: seq0's 0.216 < 0.5 is masked, seq1 weighted 0.72 -> -(2 * 0.72) / 5
+    loss, grad, m = loss_of("seq_mis", "product")
+    assert loss == pytest.approx(-2 * prod / 5, abs=1e-6)
+    torch.testing.assert_close(grad, -torch.tensor([[0.0] * 3, [prod / 5, prod / 5, 0.0]]))
+    assert m["train/is_clipped_frac"] == pytest.approx(3 / 5)
+    # seq_tis, product: w = min(prod, 2) = [0.216 x3, 0.72 x2] -> -(0.648 + 1.44) / 5 = -0.4176
+    loss, _, _ = loss_of("seq_tis", "product")
+    assert loss == pytest.approx(-(3 * 0.216 + 2 * prod) / 5, abs=1e-6)
 
 
 def test_missing_logprobs_raise():
@@ -215,6 +332,34 @@ def test_kl_as_loss_term():
     assert loss == 0.0 and m["loss/kl"] == pytest.approx(0.3, abs=1e-6)
     with pytest.raises(ValueError, match="logp_ref"):
         run([[-1.0]], [[-1.0]], [[0.0]], config=cfg(kl=kl))
+
+
+@pytest.mark.parametrize(
+    ("estimator", "logp", "ref", "value", "grad"),
+    [
+        # d = logp - ref; k1 = d -> d/dlogp 1; abs = |d| -> sign(d); k2 = d^2 / 2 -> d
+        ("k1", 0.0, 0.5, -0.5, 1.0),
+        ("abs", 0.0, 0.5, 0.5, -1.0),
+        ("k2", 0.0, 0.5, 0.125, -0.5),
+        # k3 = e^x - x - 1, x = ref - logp; unclamped: d/dlogp = -(e^x - 1) = 1 - e^x
+        ("k3", 0.0, -1.0, math.exp(-1) + 1 - 1, 1 - math.exp(-1)),  # x = -1: 0.367879, grad 0.632121
+        ("k3", 0.0, 2.0, math.exp(2) - 3, 1 - math.exp(2)),  # x = 2: 4.389056, grad -6.389056
+        ("k3", 0.0, -10.5, math.exp(-10.5) + 9.5, 1 - math.exp(-10.5)),  # 9.500028 < 10: not clamped yet
+        # output clamp [-10, 10]: x = -12 -> e^-12 + 11 > 10 -> 10, gradient 0
+        ("k3", 0.0, -12.0, 10.0, 0.0),
+        # x = 3 -> e^3 - 4 = 16.09 > 10 -> 10, gradient 0
+        ("k3", 0.0, 3.0, 10.0, 0.0),
+        # input clamp: x = -30 -> -20 (gradient 0 through the clamp), value 19 -> clamped to 10
+        ("k3", 0.0, -30.0, 10.0, 0.0),
+    ],
+)
+def test_kl_estimator_values_and_gradients(estimator, logp, ref, value, grad):
+    # KL as a loss term with A = 0 and one token: loss = beta * kl, dloss/dlogp = beta * dkl/dlogp
+    kl = {"enable": True, "estimator": estimator, "coef": 0.5}
+    loss, g, m = run([[logp]], [[logp]], [[0.0]], config=cfg(kl=kl), logp_ref=torch.tensor([[ref]]))
+    assert m["loss/kl"] == pytest.approx(value, abs=1e-5)
+    assert loss == pytest.approx(0.5 * value, abs=1e-5)
+    torch.testing.assert_close(g, torch.tensor([[0.5 * grad]]), atol=1e-5, rtol=1e-5)
 
 
 def test_entropy_bonus_and_metric():
