@@ -23,9 +23,11 @@ mode; env `ASYNCRL_BENCH_SYNC_ALL_MODES=1` runs every mode at η = 0 as well.
 
 Grid (env, comma-separated): `ASYNCRL_BENCH_STALENESS` (default 0,1,2; `--full` 0,1,2,4),
 `ASYNCRL_BENCH_MODES` (none,tis,decoupled), `ASYNCRL_BENCH_SEEDS` (1,2; a seed sets data.seed,
-rollout.seed and trainer.seed). Run size: `ASYNCRL_BENCH_STEPS` (60; `--full` 200),
-`ASYNCRL_BENCH_EVAL_EVERY` (15; `--full` 25), `ASYNCRL_BENCH_VAL_ROWS` (the first N validation
-rows, 100; `--full` all; a .jsonl validation file only), `ASYNCRL_BENCH_TEST_ROWS` (all).
+rollout.seed and trainer.seed). Run size: `ASYNCRL_BENCH_STEPS` (100; `--full` 200; the quick start's
+policy changes its turn habit between steps 50 and 100, so fewer steps compare noise),
+`ASYNCRL_BENCH_EVAL_EVERY` (10; `--full` 20), `ASYNCRL_BENCH_VAL_ROWS` (the first N validation
+rows, 100; `--full` all; a .jsonl validation file only), `ASYNCRL_BENCH_TEST_ROWS` (the first N
+test rows, before and after training: 400; `--full` all).
 Runs go seed by seed (the first seed's whole grid before the second's), η = 0 first.
 `ASYNCRL_BENCH_REUSE=1` takes a cell from its run directory when that holds a finished run of the
 same length (an interrupted grid continues where it stopped; the figures are re-derived);
@@ -46,9 +48,10 @@ from asyncrl.bench.common import print_table
 from asyncrl.config import Config
 
 ACC = "guided_accuracy"
-# Per-run cost model for the printed estimate (idle 2-core machine, quick-start config): start-up,
-# seconds per learner step, greedy evaluation seconds per row. A loaded machine is slower.
-EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 60.0, 3.0, 0.03
+# Per-run cost model for the printed estimate (idle 2-core machine, quick-start config, README's
+# figures): start-up, seconds per learner step, greedy evaluation seconds per row. Under load here
+# (five sessions on 2 cores) start-up took ~150 s and a synchronous step ~3.5 s.
+EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 45.0, 3.0, 0.025
 
 
 def _env_list(key: str, default: list[Any], cast=int) -> list[Any]:
@@ -64,10 +67,10 @@ def plan(cfg: Config, full: bool, smoke: bool) -> dict[str, Any]:
     staleness = [0, *sorted({s for s in staleness if s != 0})]
     modes = _env_list("ASYNCRL_BENCH_MODES", ["none", "tis"] if smoke else ["none", "tis", "decoupled"], str)
     seeds = _env_list("ASYNCRL_BENCH_SEEDS", [1] if smoke else [1, 2])
-    steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 2 if smoke else 200 if full else 60))
-    eval_every = int(os.environ.get("ASYNCRL_BENCH_EVAL_EVERY", 1 if smoke else 25 if full else 15))
+    steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 2 if smoke else 200 if full else 100))
+    eval_every = int(os.environ.get("ASYNCRL_BENCH_EVAL_EVERY", 1 if smoke else 20 if full else 10))
     val_rows = int(os.environ.get("ASYNCRL_BENCH_VAL_ROWS", 8 if smoke else 0 if full else 100)) or None
-    test_rows = int(os.environ.get("ASYNCRL_BENCH_TEST_ROWS", 8 if smoke else 0)) or None
+    test_rows = int(os.environ.get("ASYNCRL_BENCH_TEST_ROWS", 8 if smoke else 0 if full else 400)) or None
     all_modes_sync = os.environ.get("ASYNCRL_BENCH_SYNC_ALL_MODES", "0") == "1"
     runs = []
     for seed in seeds:

@@ -1,8 +1,8 @@
 """Proves every advantage estimator of `asyncrl.learner.advantages` against hand-derived values:
 grpo (unbiased std, eps 1e-6, zero-variance group -> 0, optional no-std), dr_grpo, rloo,
-reinforce_plus_plus (discounted returns + batch whitening, holes in the mask), reinforce_plus_plus_baseline
-(group mean, then batch whitening), grpo_passk (the
-original's bug fixed: non-best samples get 0), remax; masking, grouping and input checks."""
+reinforce_plus_plus (discounted returns + batch whitening, holes in the mask),
+reinforce_plus_plus_baseline (group mean, then batch whitening), grpo_passk (the original's bug
+fixed: non-best samples get 0), remax; masking, grouping and input checks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""`python -m asyncrl.bench convergence`: the grid plan, the figures of one run, the time to the
+synchronous run's final accuracy and the seed averages, on hand-written metrics rows with
+hand-derived values (default suite, no processes); and, `slow` (the whole topology twice, minutes
+on 2 cores), the command itself on a tiny grid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.bench import convergence as cv
+from asyncrl.config import Config
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rows(step_s: float, accs: dict[int, float], eval_s: float, steps: int = 4, t0: float = 100.0) -> list[dict]:
+    """metrics.jsonl rows: training rows every `step_s`, an eval row after each step in `accs`
+    (the evaluation takes `eval_s`, so the next step ends eval_s later)."""
+    rows, t = [], t0
+    for k in range(1, steps + 1):
+        t += step_s
+        rows.append({"step": k, "time": t, "perf/step_s": step_s, "train/mismatch_kl": 1e-3 * k,
+                     "train/is_weight_mean": 1.0, "perf/learner_idle_ratio": 0.5})
+        if k in accs:
+            t += eval_s
+            rows.append({"step": k, "time": t, "eval/guided_accuracy": accs[k]})
+    return rows
+
+
+def _cell(eta: int, mode: str, seed: int, step_s: float, accs: dict[int, float], test: float) -> dict:
+    summary = {"after": {"guided_accuracy": test, "guided_accuracy_se": 0.02, "rows": 500},
+               "before": {"guided_accuracy": 0.5}, "staleness_hist": [3, 1][: eta + 1]}
+    return {"max_staleness": eta, "mode": mode, "seed": seed,
+            **cv.cell_figures(_rows(step_s, accs, 3.0), summary, {k: 3.0 for k in accs})}
+
+
+def test_plan_runs_sync_once_per_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("ASYNCRL_BENCH_")]:
+        monkeypatch.delenv(key)
+    cfg = Config()
+    p = cv.plan(cfg, full=False, smoke=False)
+    # default grid: η {0, 1, 2} x {none, tis, decoupled} x seeds {1, 2}, η = 0 once per seed
+    assert p["staleness"] == [0, 1, 2] and p["seeds"] == [1, 2] and len(p["runs"]) == 2 * (1 + 2 * 3)
+    assert [r for r in p["runs"] if r["max_staleness"] == 0] == [
+        {"seed": 1, "max_staleness": 0, "mode": cfg.learner.off_policy.mode},
+        {"seed": 2, "max_staleness": 0, "mode": cfg.learner.off_policy.mode}]
+    assert p["runs"][0]["seed"] == 1 and p["runs"][6]["seed"] == 1 and p["runs"][7]["seed"] == 2  # seed by seed
+    full = cv.plan(cfg, full=True, smoke=False)
+    assert full["staleness"] == [0, 1, 2, 4] and full["steps"] == 200 and len(full["runs"]) == 2 * (1 + 3 * 3)
+    monkeypatch.setenv("ASYNCRL_BENCH_STALENESS", "2,1")
+    monkeypatch.setenv("ASYNCRL_BENCH_SYNC_ALL_MODES", "1")
+    p = cv.plan(cfg, full=False, smoke=False)
+    assert p["staleness"] == [0, 1, 2] and len(p["runs"]) == 2 * 3 * 3  # η = 0 added, every mode at η = 0
+    assert cv.estimate_s(p, 1000) > 0
+
+
+def test_cell_figures_exclude_eval_time() -> None:
+    # step_s 2, evals (3 s each) after steps 2 and 4: row times 102, 104, [eval], 109, 111
+    # training seconds exclude evaluations: step 2 -> 104 - 100 = 4, step 4 -> 111 - 100 - 3 = 8
+    c = _cell(0, "tis", 1, 2.0, {2: 0.5, 4: 0.6}, 0.7)
+    assert [(p["step"], p["train_s"], p["accuracy"]) for p in c["val_curve"]] == [(2, 4.0, 0.5), (4, 8.0, 0.6)]
+    assert c["train_wall_s"] == 8.0 and c["steps_per_s"] == 0.5 and c["final_val_accuracy"] == 0.6
+    assert c["test_accuracy"] == 0.7 and c["test_accuracy_se"] == 0.02 and c["staleness_hist"] == [3]
+    # mismatch_kl mean of 1e-3 x [1, 2, 3, 4] = 2.5e-3
+    assert c["mismatch_kl_mean"] == pytest.approx(2.5e-3)
+
+
+def test_time_to_sync_accuracy_and_seed_averages() -> None:
+    p = {"staleness": [0, 1], "modes": ["none", "tis"], "seeds": [1, 2], "sync_all_modes": False}
+    cells = [
+        # seed 1: sync reaches its final 0.6 at step 4 = 8 s; η=1 tis (1 s steps) reaches 0.6 at step 2:
+        # 2 s -> ratio 2 / 8 = 0.25; η=1 none peaks at 0.55: not reached
+        _cell(0, "tis", 1, 2.0, {2: 0.5, 4: 0.6}, 0.70),
+        _cell(1, "tis", 1, 1.0, {2: 0.6, 4: 0.55}, 0.72),
+        _cell(1, "none", 1, 1.0, {2: 0.5, 4: 0.55}, 0.66),
+        # seed 2: sync final 0.5 reached already at step 2 (4 s); η=1 tis reaches it at step 4:
+        # 1 + 1 + 3 (eval) + 1 + 1 - 3 = 4 s -> ratio 1.0
+        _cell(0, "tis", 2, 2.0, {2: 0.5, 4: 0.5}, 0.68),
+        _cell(1, "tis", 2, 1.0, {2: 0.4, 4: 0.5}, 0.74),
+        {"max_staleness": 1, "mode": "none", "seed": 2, "error": "RuntimeError: start-up failed"},
+    ]
+    r = cv.summarize(cells, p)
+    by = {(c["max_staleness"], c["mode"], c["seed"]): c for c in r["cells"] if "error" not in c}
+    assert by[(1, "tis", 1)]["time_to_sync_s"] == 2.0 and by[(1, "tis", 1)]["time_to_sync_ratio"] == 0.25
+    assert by[(1, "none", 1)]["time_to_sync_s"] is None and by[(1, "none", 1)]["time_to_sync_ratio"] is None
+    assert by[(1, "tis", 2)]["time_to_sync_s"] == 4.0 and by[(1, "tis", 2)]["time_to_sync_ratio"] == 1.0
+    assert by[(0, "tis", 1)]["time_to_sync_ratio"] == 1.0
+    table = {(t["max_staleness"], t["mode"]): t for t in r["table"]}
+    assert set(table) == {(0, "(any: η=0)"), (1, "none"), (1, "tis")} and r["failed_cells"] == 1
+    tis = table[(1, "tis")]
+    # test accuracy over seeds: mean(0.72, 0.74) = 0.73, SE = stdev / sqrt(2) = 0.014142 / 1.414214 = 0.01
+    assert tis["test_accuracy_mean"] == pytest.approx(0.73) and tis["test_accuracy_se_across_seeds"] == pytest.approx(0.01)
+    assert tis["reached_sync"] == "2/2" and tis["time_to_sync_ratio_mean"] == pytest.approx(0.625)
+    assert table[(1, "none")]["reached_sync"] == "0/1" and table[(1, "none")]["test_accuracy_se_across_seeds"] is None
+    assert table[(0, "(any: η=0)")]["seeds"] == [1, 2]
+    json.dumps(r)  # the result is JSON as written
+    cv.print_grid(r)
+
+
+@pytest.mark.slow
+def test_convergence_smoke(tmp_path: Path) -> None:
+    """The command on the real system: η 0 and 1 (tis), 2 learner steps each, 8 val/test rows."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "ASYNCRL_BENCH_MODES": "tis"}
+    cmd = [sys.executable, "-m", "asyncrl.bench", "convergence", f"trainer.run_dir={tmp_path / 'runs'}",
+           "verifier.port=0", "--smoke", "--output", str(tmp_path), "--config", str(ROOT / "configs/quickstart.yaml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    (path,) = tmp_path.glob("convergence-2*.json")
+    r = json.loads(path.read_text())
+    assert r["failed_cells"] == 0 and len(r["cells"]) == 2
+    for c in r["cells"]:
+        assert c["steps"] == 2 and c["val_curve"] and 0 <= c["test_accuracy"] <= 1
+        assert sum(c["staleness_hist"]) == 2 * 8  # 2 steps x rollout_batch_size 8 groups
+    sync = next(c for c in r["cells"] if c["max_staleness"] == 0)
+    assert sync["time_to_sync_ratio"] == 1.0 and abs(sync["mismatch_kl_mean"]) < 1e-4
+    assert list(tmp_path.glob("convergence-*.png"))
