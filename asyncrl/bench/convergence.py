@@ -50,7 +50,7 @@ from asyncrl.config import Config
 ACC = "guided_accuracy"
 # Per-run cost model for the printed estimate (idle 2-core machine, quick-start config, README's
 # figures): start-up, seconds per learner step, greedy evaluation seconds per row. Under load here
-# (five sessions on 2 cores) start-up took ~150 s and a synchronous step ~3.5 s.
+# (five sessions on 2 cores) start-up took 1-3 min and a synchronous step 4.3 s on average.
 EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 45.0, 3.0, 0.025
 RETRIES = 1  # a failed run is started once more before the grid moves on
 
