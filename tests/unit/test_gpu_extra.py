@@ -10,7 +10,6 @@ reachable (CI) and never silently passes elsewhere.
 from __future__ import annotations
 
 import json
-import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
