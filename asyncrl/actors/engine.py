@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from asyncrl.actors.weight_receiver import announced_version
+from asyncrl.config import rollout_device_defaults
 from asyncrl.learner.weights import WeightSender, WeightsInput, fetch_weights
 
 log = logging.getLogger(__name__)
@@ -102,12 +103,15 @@ class PolicyEngine:
             from asyncrl.vision import vllm_mm_engine_kwargs
 
             mm_kwargs = vllm_mm_engine_kwargs(limit_images)
+        eager, memory = rollout_device_defaults(cfg.gpus_per_actor)  # a bare RolloutConfig leaves them None
+        eager = eager if cfg.enforce_eager is None else cfg.enforce_eager
+        memory = memory if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
         args = AsyncEngineArgs(
             model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype, seed=seed,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            enforce_eager=eager, enable_prefix_caching=cfg.enable_prefix_caching,
             max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
+            gpu_memory_utilization=memory, worker_extension_cls=EXTENSION,
             logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
             # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
             # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
