@@ -74,7 +74,7 @@ class WeightReceiver:
         self.seq = 0
         self.version = -1
         self._requested_gen = -1
-        self.samples: dict[str, torch.Tensor] = {}  # sampled elements of the last round, by name
+        self.samples = _Samples()  # sampled elements of the last round, by name
         self.fault: str | None = None  # tests only: "corrupt_wire" flips an element of the next round
 
     # ---- small store helpers ----------------------------------------------------------------
@@ -188,7 +188,7 @@ class WeightReceiver:
             return result
 
         stats: dict[str, Any] = {"bytes": 0, "end": None}
-        self.samples = {}
+        self.samples = _Samples()
         buckets = self._buckets(rk, stats)
         tensors: list[NamedTensor] | None = None
         touched = False  # the loader has seen tensors: the model may hold part of this round
@@ -253,7 +253,11 @@ class WeightReceiver:
                 view.view(-1)[int(sample_index(name, view.numel())[0])] += 1
             for name, view in views:
                 self.samples[name] = sample_values(name, view)
+                self.samples.numels[name] = view.numel()
             yield views
+            if self.fault == "fail_mid_stream":  # tests: the round breaks after its first bucket
+                self.fault = None
+                raise RuntimeError("injected failure after bucket 0")
             i += 1
 
     def close(self) -> None:
@@ -286,6 +290,35 @@ def announced_version(address: str, timeout_s: float = 10.0) -> int:
     return int(store.get(key)) if store.check([key]) else -1
 
 
+def readback_mismatches(model: Any, samples: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+    """Compare what the model now holds with what arrived, at the fingerprint's sampled
+    elements: every model parameter that keeps its checkpoint name and size (norms, embeddings,
+    untied heads, unfused projections; fused qkv/gate_up and tensor-parallel shards have no
+    1:1 counterpart and are covered by the wire fingerprint only). The arrived values are cast to
+    the parameter's dtype first, so the comparison is exact. Returns (mismatched names, checked)."""
+    bad, checked = [], 0
+    for name, p in model.named_parameters():
+        got = samples.get(name)
+        if got is None or p.is_meta:
+            if got is not None:
+                bad.append(name)  # left on the meta device: a half-finished reload
+            continue
+        if p.numel() != getattr(samples, "numels", {}).get(name, -1):
+            continue  # a shard or a different layout: no element-wise counterpart
+        checked += 1
+        if not torch.equal(sample_values(name, p), got.to(p.dtype)):
+            bad.append(name)
+    return bad, checked
+
+
+class _Samples(dict):
+    """Sampled elements by name, plus the full size of each tensor they were drawn from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: dict[str, int] = {}
+
+
 class WeightReceiverExtension:
     """vLLM worker extension: `collective_rpc("asyncrl_receive_weights", args=(address, prefix,
     timeout_s))`. Members are named `{prefix}/tp{rank}`. Returns the receiver's result dict."""
@@ -301,10 +334,38 @@ class WeightReceiverExtension:
 
     def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float,
                                 buffered: bool = True) -> dict[str, Any]:
+        """Receive one round and load it; then verify what the model holds against what arrived
+        (`readback_mismatches`). Result: the receiver's dict plus `touched` (the model may hold
+        part of the round: the caller must reload a full version before generating) and
+        `fingerprint_mismatch` (tensors whose sampled elements disagree)."""
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
+        faults = self.__dict__.setdefault("_asyncrl_faults", {})
+        if faults.get("receiver"):
+            receiver.fault = faults.pop("receiver")
         result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
         result.pop("tensors", None)
+        if result["status"] == "ok":
+            model = self.model_runner.get_model()
+            if faults.get("readback", 0) > 0:  # tests: a load that silently left a wrong value
+                faults["readback"] -= 1
+                with torch.no_grad():
+                    dict(model.named_parameters())["model.norm.weight"].view(-1)[:].add_(1.0)
+            t = time.perf_counter()
+            bad, checked = readback_mismatches(model, receiver.samples)
+            result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
+            if bad:
+                log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
+                result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
         return result
+
+    def asyncrl_inject_fault(self, kind: str, count: int = 1) -> None:
+        """Tests only: "fail_mid_stream" / "corrupt_wire" break the next received round;
+        "readback" perturbs model.norm.weight after each of the next `count` loads."""
+        faults = self.__dict__.setdefault("_asyncrl_faults", {})
+        if kind == "readback":
+            faults["readback"] = count
+        else:
+            faults["receiver"] = kind
 
     def asyncrl_close_receiver(self, address: str, prefix: str) -> None:
         self.__dict__.get("_asyncrl_receivers", {}).pop((address, prefix), None)
