@@ -10,8 +10,8 @@ Guarantees:
   top-k/top-p; with top_p=1, top_k=-1 this is softmax(logits / T), what the learner recomputes), the
   finish reason and the policy version of every token.
 - Weight updates (`update_weights_from_group`, `load_weights_from_store`, `load_named_tensors`)
-  pause the scheduler (running requests are kept, not aborted), load, bump `version`, reset the
-  prefix cache, and resume. Requests also carry a cache salt `v{version}`, so no prompt ever
+  pause the scheduler (running requests are kept, not aborted), load, verify, bump `version`,
+  reset the prefix cache, and resume. Requests also carry a cache salt `v{version}`, so no prompt ever
   reuses KV blocks computed by older weights even if a reset is refused. Running requests keep
   their KV cache across an update (as PipelineRL/SkyRL); their later tokens carry the new version.
 - CPU build here (fp32 unless configured, KV cache `rollout.cpu_kvcache_gb` GiB); CUDA build on
@@ -25,8 +25,15 @@ A restarted actor calls `load_weights_from_store()` before generating. Member id
 sender (`WeightSender(..., members=...)` / `add_receivers`) come from `weight_member_ids()`;
 a member the sender does not know yet asks to join by itself on its first update call.
 
-vLLM's native weight-transfer API (`WeightTransferConfig`, `update_weights`) is not used yet: it
-has no CPU/gloo engine in 0.32; the worker-extension path below is the one tested here.
+Safe loads (`_paused`): the version is bumped only after a verified load; a round that failed
+after the model saw part of it, or whose read-back fingerprint mismatched, is replaced by the
+newest full WeightStore version inside the same pause (no token is generated in between); with
+no store copy the engine stays paused (`unsafe`), and a mismatch that persists through the store
+reload raises `WeightIntegrityError`.
+
+vLLM's native weight-transfer API (`WeightTransferConfig`, `update_weights`) is not used: 0.32
+has no gloo engine, and its NCCL engine receives over vLLM's PyNcclCommunicator with no deadline
+or abort, i.e. without the failure bounds above; the worker-extension path is the tested one.
 
 Departure from Guided-GRPO (EasyR1): the original samples `n` copies of a request with one
 seed, the source of its seed collapse; here every sample is its own request with its own seed.

@@ -15,7 +15,13 @@ weight repacking and handles fused/packed projections (qkv, gate_up) through the
 after every load we re-tie it and re-run its post-load processing.
 
 By default all buckets are received before the first one is loaded (`buffered=True`), so a
-failed or aborted broadcast leaves the engine's weights untouched.
+failed or aborted broadcast leaves the engine's weights untouched. Streaming (`buffered=False`,
+the GPU default: no second copy of the model) hands buckets to the loader as they arrive; the
+result then says `touched`, and the engine must reload a full version before generating.
+Every round is verified twice: the sampled elements that arrived against the sender's
+fingerprint (exact), and, after the load, the model's own parameters that keep a checkpoint name
+and size against what arrived (`readback_mismatches`); a mismatch is status
+"fingerprint_mismatch" with `touched` set.
 """
 
 from __future__ import annotations

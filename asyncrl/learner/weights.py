@@ -15,13 +15,27 @@ Membership protocol (all keys in the sender's TCPStore, which is also the rendez
 - round r of generation g: each member sets `g{g}/r{r}/enter/{id}` when it is ready to receive;
   members that have not entered within `timeout_s` are dropped, the round is aborted and the group
   rebuilt for the rest. Then `start = go`, the buckets flow, every member acks `g{g}/r{r}/ack/{id}`.
-- a member whose collective hangs past `timeout_s` is dropped too (lowest progress key).
+- every collective has a deadline the sender and the receivers enforce themselves (`wait_work`
+  polls `work.is_completed()`, so it holds on NCCL, whose `wait()` does not block, as on gloo).
+  Receivers heartbeat (`.../alive/{id}`) while they wait inside a round and write
+  `.../progress/{id}` only once a bucket's data has arrived. When a collective fails or passes its
+  deadline the sender retires the group without blocking (`abort_group`), drops the members that
+  fell silent within a short grace (else the lowest progress), sets `.../abort` and the end header
+  (`failed`), and rebuilds the group without them at the next broadcast; the dropped member's
+  process, or its restart under the same id, sees `g{g}/out/{id}` and re-feeds from the store.
+- NCCL: the group is built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the
+  communicator, never the process) and a backstop timeout later than every deadline above;
+  NCCL_CUMEM_ENABLE travels in the plan so both sides use the same value; `set_device` before
+  the sends and the exporter's gathers.
+- integrity: the end header carries a fingerprint of every tensor (float64 sum and |sum| of 64
+  elements at indices fixed by the tensor's name), so a receiver checks what arrived exactly.
 - a dropped member that calls `receive` again asks to rejoin (`joinreq/{n}`); the sender takes it
   back at the next broadcast (a new generation). Scaling uses the same `rebuild(members)`.
-Guarantee: no sender call blocks longer than a few `timeout_s` whatever the members do; every
-member that acks a round holds exactly the broadcast tensors; the newest weights are also
-published (CPU copy, by version) to the `WeightStore` named Ray actor for late joiners,
-restarts and dropped members.
+Guarantee: no sender call blocks longer than about `timeout_s` per bucket plus a second of
+grace whatever the members do; every member that acks a round holds exactly the broadcast
+tensors (fingerprint-checked); every `publish_every`-th version is also published (a host copy
+taken at broadcast time) to the `WeightStore` named Ray actor for late joiners, restarts and
+dropped members, by default from a background thread (`publish_mode`), in version order.
 
 Departure from Guided-GRPO (EasyR1/verl): there the rollout shares the learner's GPUs and weights
 move in-process; asyncrl's rollout fleet is separate, so weights move over the network.
