@@ -10,6 +10,7 @@ engine's version; a late joiner catches up from the WeightStore (Ray object stor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -245,6 +246,17 @@ def test_in_flight_update_stamps_both_versions(setup):
     sender.close()
 
 
+@contextlib.contextmanager
+def ray_session(namespace: str):
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 def _publish(s, model, version: int) -> None:
     from asyncrl.learner.weights import WeightSender
 
@@ -279,12 +291,10 @@ def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(
     # first bucket, when vLLM's layer-wise reload has seen part of the model. The engine must
     # reload the newest full version from the WeightStore inside the same pause, produce no
     # token in between, resume on exactly the store's weights and report the version it holds.
-    import ray
-
     s = setup
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine-safe-load", log_to_driver=False)
     s.engine.weight_buffered = False
-    try:
+    with ray_session("test-engine-safe-load"), contextlib.ExitStack() as done:
+        done.callback(setattr, s.engine, "weight_buffered", True)
         stored = perturbed(s.hf, 0.05, seed=21)
         _publish(s, stored, 20)
         s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
@@ -318,19 +328,13 @@ def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(
         diff = max_logprob_diff(s, stored, gens)
         print(f"after recovery: max diff vs the store's weights {diff:.2e}")
         assert diff < 1e-4 and all(set(g.versions) == {20} for g in gens)
-    finally:
-        s.engine.weight_buffered = True
-        ray.shutdown()
 
 
 def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_persists(setup):
-    import ray
-
     from asyncrl.actors.engine import WeightIntegrityError
 
     s = setup
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine-fingerprint", log_to_driver=False)
-    try:
+    with ray_session("test-engine-fingerprint"):
         stored = perturbed(s.hf, 0.05, seed=31)
         _publish(s, stored, 30)
         clean = _group_update(s, perturbed(s.hf, 0.05, seed=32), 31)  # a clean round: checked, matches
@@ -353,5 +357,3 @@ def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_pe
         res = s.lt.run(s.engine.load_weights_from_store())  # the fault is spent: a clean reload resumes
         assert res["status"] == "ok" and not s.engine.unsafe and s.engine.version == 30
         assert max_logprob_diff(s, stored, sample_many(s, 2, seed0=900)) < 1e-4
-    finally:
-        ray.shutdown()
