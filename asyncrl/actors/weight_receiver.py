@@ -215,6 +215,10 @@ class WeightReceiver:
                 self._check_wire(stats["end"])
         except Exception as exc:  # noqa: BLE001 - a failed round: report, reset, caller falls back
             log.warning("weight receiver %s: round failed: %s", self.member_id, exc)
+            try:  # a nack: the sender need not wait for our ack to drop us
+                self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "0")
+            except Exception:  # noqa: BLE001 - the sender may be gone
+                log.debug("weight receiver %s: nack not delivered", self.member_id, exc_info=True)
             self._reset()
             result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0, touched=touched,
                           fingerprint_mismatch=getattr(exc, "mismatches", 0))

@@ -541,6 +541,7 @@ class WeightSender:
             self.store.set(f"{rk}/h{nbuckets if failed_at is None else failed_at + 1}", json.dumps(end))
             if failed_at is None:
                 missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members}, time.monotonic() + self.timeout_s)
+                missing += [m for m in members if m not in missing and self.store.get(f"{rk}/ack/{m}") != b"1"]  # nacks
                 acked = [m for m in members if m not in missing]
             if missing:
                 self._drop(missing, "hung in the weight broadcast" if failed_at is not None else "did not ack")

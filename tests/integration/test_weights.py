@@ -264,10 +264,12 @@ def test_member_killed_mid_broadcast_is_dropped_and_rejoins_from_the_store():
 def test_corrupted_round_is_caught_by_the_fingerprint():
     sender = WeightSender(cfg(), members=["a"])
     q, procs = start(sender, {"a": ["recv_corrupt", "recv"]})
+    t0 = time.monotonic()
     report = sender.broadcast(state_dict(1).items(), 1)
     member, status, mismatches, _ = q.get(timeout=60)
     assert status == "failed" and mismatches == 1  # exactly the one flipped element's tensor
-    assert report.acked == [] and report.dropped == ["a"]  # no ack: re-fed from the store, rejoins
+    assert report.acked == [] and report.dropped == ["a"]  # nacked: re-fed from the store, rejoins
+    assert time.monotonic() - t0 < TIMEOUT  # the nack ends the wait for its ack
     report = sender.broadcast(state_dict(2).items(), 2)
     assert collect(q, 1)["a"][0][0] == "not_member"
     for p in procs:
