@@ -109,7 +109,7 @@ class WeightReceiver:
         and give up at once when the sender has aborted the round."""
         self.store.add(f"{PREFIX}/{rk}/alive/{self.member_id}", 1)
         if self.store.check([f"{PREFIX}/{rk}/abort"]):
-            raise RoundAborted(rk)
+            raise RoundAborted(f"the sender aborted round {rk} (another member failed)")
 
     def _wait_header(self, rk: str, i: int, deadline: float) -> dict[str, Any]:
         """Poll for bucket header `i` (usually there already: the sender writes it as soon as
