@@ -162,6 +162,9 @@ class Trainer:
             "perf/tokens_per_s": tokens / max(step_s, 1e-9),
             "perf/rollout_actors": len(topo.actors),
             "perf/weight_sync_dropped": len(sync.get("dropped", [])),
+            # parameters whose sampled fingerprint differed after a load (each was re-fed from the store)
+            "weights/fingerprint_mismatch": sum(int(r.get("fingerprint_mismatch") or 0)
+                                                for r in (sync.get("actors") or {}).values() if isinstance(r, dict)),
         })
         for aid in sync.get("dropped", []):
             say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")

@@ -10,8 +10,8 @@ Guarantees:
   top-k/top-p; with top_p=1, top_k=-1 this is softmax(logits / T), what the learner recomputes), the
   finish reason and the policy version of every token.
 - Weight updates (`update_weights_from_group`, `load_weights_from_store`, `load_named_tensors`)
-  pause the scheduler (running requests are kept, not aborted), load, bump `version`, reset the
-  prefix cache, and resume. Requests also carry a cache salt `v{version}`, so no prompt ever
+  pause the scheduler (running requests are kept, not aborted), load, verify, bump `version`,
+  reset the prefix cache, and resume. Requests also carry a cache salt `v{version}`, so no prompt ever
   reuses KV blocks computed by older weights even if a reset is refused. Running requests keep
   their KV cache across an update (as PipelineRL/SkyRL); their later tokens carry the new version.
 - CPU build here (fp32 unless configured, KV cache `rollout.cpu_kvcache_gb` GiB); CUDA build on
@@ -25,8 +25,15 @@ A restarted actor calls `load_weights_from_store()` before generating. Member id
 sender (`WeightSender(..., members=...)` / `add_receivers`) come from `weight_member_ids()`;
 a member the sender does not know yet asks to join by itself on its first update call.
 
-vLLM's native weight-transfer API (`WeightTransferConfig`, `update_weights`) is not used yet: it
-has no CPU/gloo engine in 0.32; the worker-extension path below is the one tested here.
+Safe loads (`_paused`): the version is bumped only after a verified load; a round that failed
+after the model saw part of it, or whose read-back fingerprint mismatched, is replaced by the
+newest full WeightStore version inside the same pause (no token is generated in between); with
+no store copy the engine stays paused (`unsafe`), and a mismatch that persists through the store
+reload raises `WeightIntegrityError`.
+
+vLLM's native weight-transfer API (`WeightTransferConfig`, `update_weights`) is not used: 0.32
+has no gloo engine, and its NCCL engine receives over vLLM's PyNcclCommunicator with no deadline
+or abort, i.e. without the failure bounds above; the worker-extension path is the tested one.
 
 Departure from Guided-GRPO (EasyR1): the original samples `n` copies of a request with one
 seed, the source of its seed collapse; here every sample is its own request with its own seed.
@@ -45,6 +52,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from asyncrl.actors.weight_receiver import announced_version
+from asyncrl.config import rollout_device_defaults
 from asyncrl.learner.weights import WeightSender, WeightsInput, fetch_weights
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,21 @@ class Generation:
 
     def __iter__(self):  # the agreed 3-tuple contract
         return iter((self.token_ids, self.logprobs, self.finish_reason))
+
+
+class WeightIntegrityError(RuntimeError):
+    """The engine's weights keep differing from the published ones: never generate on them."""
+
+
+def _merge_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result for all tensor-parallel workers: the first bad one (else the first), with
+    `touched` if any worker's model saw part of the round and the summed mismatch count."""
+    bad = [r for r in results if r["status"] != "ok"]
+    out = dict(bad[0] if bad else results[0])
+    out["touched"] = bool(bad) and any(r.get("touched") for r in results)  # TP ranks may now disagree
+    out["fingerprint_mismatch"] = sum(int(r.get("fingerprint_mismatch") or 0) for r in results)
+    out["workers"] = results
+    return out
 
 
 class PolicyEngine:
@@ -102,12 +125,15 @@ class PolicyEngine:
             from asyncrl.vision import vllm_mm_engine_kwargs
 
             mm_kwargs = vllm_mm_engine_kwargs(limit_images)
+        eager, memory = rollout_device_defaults(cfg.gpus_per_actor)  # a bare RolloutConfig leaves them None
+        eager = eager if cfg.enforce_eager is None else cfg.enforce_eager
+        memory = memory if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
         args = AsyncEngineArgs(
             model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype, seed=seed,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            enforce_eager=eager, enable_prefix_caching=cfg.enable_prefix_caching,
             max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, worker_extension_cls=EXTENSION,
+            gpu_memory_utilization=memory, worker_extension_cls=EXTENSION,
             logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
             # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
             # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
@@ -116,6 +142,9 @@ class PolicyEngine:
         )
         self.llm = AsyncLLM.from_engine_args(args)
         self._update_lock = asyncio.Lock()
+        self.load_events: list[tuple[float, str]] = []  # (monotonic time, what): pause/resume/recovery
+        self.fingerprint_mismatches = 0  # parameters found differing after loads, in total
+        self.unsafe = False  # paused on weights that failed to load and could not be replaced
 
     # ---- generation -------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 1.0,
@@ -164,24 +193,73 @@ class PolicyEngine:
         """Members this engine contributes to a weight group (one per tensor-parallel rank)."""
         return [f"{prefix or self.engine_id}/tp{r}" for r in range(self.tensor_parallel)]
 
+    def _event(self, what: str) -> None:
+        self.load_events.append((time.monotonic(), what))
+        del self.load_events[:-64]
+
     async def _paused(self, load) -> dict[str, Any]:
-        """Pause (keep running requests), run `load()`, reset the prefix cache, resume."""
+        """Pause (keep running requests), run `load()`, reset the prefix cache, resume.
+
+        Safe loads: the version is bumped only after a load whose read-back fingerprint matched.
+        A load that failed after the model saw part of the round (`touched`: streamed buckets,
+        or a read-back mismatch) never resumes generation on those weights: the newest full
+        version is reloaded from the WeightStore inside the same pause; if the store has none,
+        the engine stays paused (status "paused_unsafe") until a later load succeeds; if the
+        store's copy mismatches too, `WeightIntegrityError` is raised (still paused)."""
         async with self._update_lock:
             t0 = time.perf_counter()
             await self.llm.pause_generation(mode="keep", clear_cache=False)
+            self._event("pause")
             await asyncio.sleep(0)  # let consumers drain chunks produced under the old version
-            try:
-                result = await load()
-                if result["status"] == "ok":
-                    self.version = int(result["version"])
-                    await self.reset_prefix_cache()
-                    if self.vl:  # vLLM bug: a cached image of the old weights -> "Encoder cache miss"
-                        await self.llm.reset_mm_cache()
-                        await self.llm.reset_encoder_cache()
-            finally:
+            result = await load()
+            self.fingerprint_mismatches += int(result.get("fingerprint_mismatch") or 0)
+            if result["status"] != "ok" and result.get("touched"):
+                self._event("load_failed")
+                log.warning("engine %s: weight load failed after touching the model (%s); reloading the newest "
+                            "full version from the weight store before generating", self.engine_id,
+                            result.get("error") or result["status"])
+                recovered = await self._recover_from_store()
+                result["recovered"] = recovered
+                if recovered["status"] != "ok":
+                    self.unsafe = True
+                    result["seconds"] = time.perf_counter() - t0
+                    result["status_before"], result["status"] = result["status"], "paused_unsafe"
+                    self._event("stay_paused")
+                    return result
+                result["version"] = recovered["version"]
+                self._event("store_reload_ok")
+            if result["status"] == "ok" or result.get("recovered", {}).get("status") == "ok":
+                self.version = int(result["version"])
+                self.unsafe = False
+                await self.reset_prefix_cache()
+                if self.vl:  # vLLM bug: a cached image of the old weights -> "Encoder cache miss"
+                    await self.llm.reset_mm_cache()
+                    await self.llm.reset_encoder_cache()
+            if not self.unsafe:
                 await self.llm.resume_generation()
+                self._event("resume")
             result["seconds"] = time.perf_counter() - t0
             return result
+
+    async def _recover_from_store(self) -> dict[str, Any]:
+        """Inside a pause: load the newest published version whatever our own version is (the
+        model may hold part of a newer one)."""
+        try:
+            fetched = await asyncio.to_thread(fetch_weights, self.store_name, -1, self.weight_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - no store (no Ray, nothing published): stay paused
+            return {"status": "no_store", "error": f"{type(exc).__name__}: {exc}"}
+        if fetched is None:
+            return {"status": "no_store", "error": "nothing published yet"}
+        version, buckets = fetched
+        result = await self._load_named_unpaused(buckets, version)
+        self.fingerprint_mismatches += int(result.get("fingerprint_mismatch") or 0)
+        if result["status"] == "fingerprint_mismatch":
+            self._event("store_reload_mismatch")
+            self.unsafe = True  # stays paused; only a later verified load resumes it
+            raise WeightIntegrityError(
+                f"engine {self.engine_id}: the weights it holds still differ from the WeightStore's version "
+                f"{version} after a reload ({result.get('fingerprint_mismatch')} parameters); refusing to generate")
+        return result
 
     async def update_weights_from_group(self, address: str, *, timeout_s: float | None = None,
                                         member_prefix: str | None = None) -> dict[str, Any]:
@@ -191,13 +269,9 @@ class PolicyEngine:
         timeout = timeout_s or self.weight_timeout_s
 
         async def load() -> dict[str, Any]:
-            results = await self.llm.collective_rpc(
+            return _merge_worker_results(await self.llm.collective_rpc(
                 "asyncrl_receive_weights", timeout=4 * timeout + 30,
-                args=(address, member_prefix or self.engine_id, timeout, self.weight_buffered))
-            bad = [r for r in results if r["status"] != "ok"]
-            out = dict(bad[0] if bad else results[0])
-            out["workers"] = results
-            return out
+                args=(address, member_prefix or self.engine_id, timeout, self.weight_buffered)))
 
         return await self._paused(load)
 
@@ -208,24 +282,21 @@ class PolicyEngine:
     async def load_named_tensors(self, weights: WeightsInput, version: int) -> dict[str, Any]:
         """Load (name, tensor) pairs, buckets of them, or packed `(manifest, flat)` buckets into
         the engine through a private loopback gloo group (same path as the broadcast)."""
+        return await self._paused(lambda: self._load_named_unpaused(weights, version))
+
+    async def _load_named_unpaused(self, weights: WeightsInput, version: int) -> dict[str, Any]:
         cfg = SimpleNamespace(bucket_mb=self.weight_bucket_mb, gloo_bucket_mb=16.0, backend="gloo",
                               timeout_s=self.weight_timeout_s, host="127.0.0.1")
         prefix = f"{self.engine_id}-local"
         sender = WeightSender(cfg, port=0, members=self.weight_member_ids(prefix))
-
-        async def load() -> dict[str, Any]:
+        try:
             rpc = asyncio.ensure_future(self.llm.collective_rpc(
                 "asyncrl_receive_weights", timeout=4 * cfg.timeout_s + 30,
                 args=(sender.address, prefix, cfg.timeout_s)))
             report = await asyncio.to_thread(sender.broadcast, weights, version)
-            results = await rpc
-            bad = [r for r in results if r["status"] != "ok"]
-            out = dict(bad[0] if bad else results[0])
-            out.update(workers=results, bytes=report.bytes)
+            out = _merge_worker_results(await rpc)
+            out["bytes"] = report.bytes
             return out
-
-        try:
-            return await self._paused(load)
         finally:
             await self.llm.collective_rpc("asyncrl_close_receiver", args=(sender.address, prefix))
             sender.close()
@@ -234,6 +305,8 @@ class PolicyEngine:
         """Catch up from the `WeightStore` copy (late join, restart, dropped member). Loads only
         a version newer than `min_version` (default: the engine's own)."""
         floor = self.version if min_version is None else min_version
+        if self.unsafe:  # paused on a half-loaded model: any full version beats it
+            floor = -1
         fetched = await asyncio.to_thread(fetch_weights, self.store_name, floor, self.weight_timeout_s)
         if fetched is None:
             return {"status": "up_to_date", "version": self.version}

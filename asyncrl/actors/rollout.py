@@ -255,8 +255,10 @@ class RolloutWorker:
         if report.get("status") != "ok":
             report["catch_up"] = await self.engine.load_weights_from_store()
         self._weight_update_s += time.time() - t0
+        mismatch = int(report.get("fingerprint_mismatch") or 0) + int((report.get("catch_up") or {}).get(
+            "fingerprint_mismatch") or 0)
         return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0,
-                "status": report.get("status"), "catch_up": report.get("catch_up")}
+                "status": report.get("status"), "catch_up": report.get("catch_up"), "fingerprint_mismatch": mismatch}
 
     async def catch_up(self) -> dict[str, Any]:
         """Load the newest weights from the store (between_groups, dropped members, late joiners)."""

@@ -15,7 +15,13 @@ weight repacking and handles fused/packed projections (qkv, gate_up) through the
 after every load we re-tie it and re-run its post-load processing.
 
 By default all buckets are received before the first one is loaded (`buffered=True`), so a
-failed or aborted broadcast leaves the engine's weights untouched.
+failed or aborted broadcast leaves the engine's weights untouched. Streaming (`buffered=False`,
+the GPU default: no second copy of the model) hands buckets to the loader as they arrive; the
+result then says `touched`, and the engine must reload a full version before generating.
+Every round is verified twice: the sampled elements that arrived against the sender's
+fingerprint (exact), and, after the load, the model's own parameters that keep a checkpoint name
+and size against what arrived (`readback_mismatches`); a mismatch is status
+"fingerprint_mismatch" with `touched` set.
 """
 
 from __future__ import annotations
@@ -32,10 +38,18 @@ import torch
 from asyncrl.learner.weights import (
     PREFIX,
     NamedTensor,
+    abort_group,
+    align_nccl_cumem,
+    backstop_timeout,
     dtype_from_name,
+    fingerprint_mismatches,
+    fingerprint_of,
     make_group,
     make_store,
+    sample_index,
+    sample_values,
     unpack_bucket,
+    wait_work,
 )
 
 log = logging.getLogger(__name__)
@@ -43,6 +57,10 @@ log = logging.getLogger(__name__)
 
 class ReceiveTimeout(RuntimeError):
     pass
+
+
+class RoundAborted(RuntimeError):
+    """The sender gave up on the round (a member failed); the group is rebuilt."""
 
 
 class WeightReceiver:
@@ -62,6 +80,8 @@ class WeightReceiver:
         self.seq = 0
         self.version = -1
         self._requested_gen = -1
+        self.samples = _Samples()  # sampled elements of the last round, by name
+        self.fault: str | None = None  # tests only: "corrupt_wire" flips an element of the next round
 
     # ---- small store helpers ----------------------------------------------------------------
     def _wait_get(self, key: str, deadline: float) -> bytes:
@@ -81,7 +101,31 @@ class WeightReceiver:
 
     def _reset(self) -> None:
         self.dead_generation = max(self.dead_generation, self.generation)
+        abort_group(self.pg, backstop_timeout(self.timeout_s).total_seconds())  # NCCL: frees a stuck kernel
         self.pg, self.generation = None, -1
+
+    def _tick(self, rk: str) -> None:
+        """Heartbeat while waiting inside a round (the sender drops members that fall silent),
+        and give up at once when the sender has aborted the round."""
+        self.store.add(f"{PREFIX}/{rk}/alive/{self.member_id}", 1)
+        if self.store.check([f"{PREFIX}/{rk}/abort"]):
+            raise RoundAborted(f"the sender aborted round {rk} (another member failed)")
+
+    def _wait_header(self, rk: str, i: int, deadline: float) -> dict[str, Any]:
+        """Poll for bucket header `i` (usually there already: the sender writes it as soon as
+        bucket i-1 is through), heartbeating meanwhile."""
+        key = f"{PREFIX}/{rk}/h{i}"
+        delay, next_tick = 1e-4, time.monotonic() + 0.2
+        while not self.store.check([key]):
+            now = time.monotonic()
+            if now >= deadline:
+                raise ReceiveTimeout(key)
+            if now >= next_tick:
+                self._tick(rk)
+                next_tick = now + 0.2
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-3)
+        return json.loads(self.store.get(key))
 
     def _join(self, deadline: float) -> bool:
         """Be a member of the current generation; False if the plan does not include us."""
@@ -95,7 +139,7 @@ class WeightReceiver:
                 time.sleep(0.005)
                 continue
             plan = json.loads(self._wait_get(f"g{g}/plan", deadline))
-            if self.member_id not in plan["members"]:
+            if self.member_id not in plan["members"] or self.store.check([f"{PREFIX}/g{g}/out/{self.member_id}"]):
                 if self._requested_gen < 0:
                     # first time outside: ask to rejoin, and let the caller catch up from the store now
                     n = self.store.add(f"{PREFIX}/joinreq_n", 1)
@@ -112,6 +156,10 @@ class WeightReceiver:
                 continue
             rank = plan["members"].index(self.member_id) + 1
             nccl = plan["backend"] == "nccl"
+            if nccl:
+                align_nccl_cumem(plan.get("nccl_cumem"))
+                if self.device is not None:
+                    torch.cuda.set_device(self.device)
             self.buffer_device = self.device if nccl else torch.device("cpu")  # gloo: host buffers
             self.pg = make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s,
                                  self.device if nccl else None)
@@ -145,45 +193,81 @@ class WeightReceiver:
             result["status"] = "timeout"
             return result
 
-        stats = {"bytes": 0, "end": None}
+        stats: dict[str, Any] = {"bytes": 0, "end": None}
+        self.samples = _Samples()
         buckets = self._buckets(rk, stats)
         tensors: list[NamedTensor] | None = None
+        touched = False  # the loader has seen tensors: the model may hold part of this round
         try:
             if buffered or load is None:
                 tensors = [nt for bucket in buckets for nt in bucket]
                 if stats["end"].get("failed"):
                     raise RuntimeError("sender reported a failed broadcast")
+                self._check_wire(stats["end"])
                 if load is not None:
+                    touched = True
                     load(iter(tensors))
             else:
+                touched = True
                 load(nt for bucket in buckets for nt in bucket)
                 if stats["end"] is None or stats["end"].get("failed"):
                     raise RuntimeError("broadcast incomplete")
+                self._check_wire(stats["end"])
         except Exception as exc:  # noqa: BLE001 - a failed round: report, reset, caller falls back
             log.warning("weight receiver %s: round failed: %s", self.member_id, exc)
+            try:  # a nack: the sender need not wait for our ack to drop us
+                self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "0")
+            except Exception:  # noqa: BLE001 - the sender may be gone
+                log.debug("weight receiver %s: nack not delivered", self.member_id, exc_info=True)
             self._reset()
-            result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0)
+            result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0, touched=touched,
+                          fingerprint_mismatch=getattr(exc, "mismatches", 0))
             return result
         self.seq = seq
         self.version = int(start["version"])
         self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "1")
-        result.update(version=self.version, bytes=stats["bytes"], seconds=time.perf_counter() - t0)
+        result.update(version=self.version, bytes=stats["bytes"], seconds=time.perf_counter() - t0, touched=touched,
+                      fingerprint_mismatch=0)
         if load is None:
             result["tensors"] = tensors
         return result
 
+    def _check_wire(self, end: dict[str, Any]) -> None:
+        """The sampled elements that arrived equal the ones the sender sent (its fingerprint)."""
+        got = {n: fingerprint_of(v) for n, v in self.samples.items()}
+        bad = fingerprint_mismatches(end.get("fingerprint") or {}, got)
+        if bad:
+            exc = RuntimeError(f"fingerprint mismatch on {len(bad)} tensors received (e.g. {bad[0]})")
+            exc.mismatches = len(bad)
+            raise exc
+
     def _buckets(self, rk: str, stats: dict[str, Any]) -> Iterator[list[NamedTensor]]:
+        # The sender decides who failed (its deadline is timeout_s per collective, then a short
+        # heartbeat grace); ours is a backstop for a dead sender, so it comes later.
+        patience = 2 * self.timeout_s + 2
         i = 0
         while True:
-            header = json.loads(self._wait_get(f"{rk}/h{i}", time.monotonic() + self.timeout_s))
+            header = self._wait_header(rk, i, time.monotonic() + patience)
             if header.get("end"):
                 stats["end"] = header
                 return
             buf = torch.empty(header["numel"], dtype=dtype_from_name(header["dtype"]), device=self.buffer_device)
-            self.pg.broadcast([buf]).wait()
+            wait_work(self.pg.broadcast([buf]), time.monotonic() + patience, tick=lambda: self._tick(rk))
+            # progress only once the data is here (the sender's straggler search relies on it)
             self.store.set(f"{PREFIX}/{rk}/progress/{self.member_id}", str(i))
             stats["bytes"] += buf.numel() * buf.element_size()
-            yield unpack_bucket(header, buf)
+            views = unpack_bucket(header, buf)
+            if self.fault == "corrupt_wire":  # tests: one wrong element where the fingerprint looks
+                self.fault = None
+                name, view = views[0]
+                view.view(-1)[int(sample_index(name, view.numel())[0])] += 1
+            for name, view in views:
+                self.samples[name] = sample_values(name, view)
+                self.samples.numels[name] = view.numel()
+            yield views
+            if self.fault == "fail_mid_stream":  # tests: the round breaks after its first bucket
+                self.fault = None
+                raise RuntimeError("injected failure after bucket 0")
             i += 1
 
     def close(self) -> None:
@@ -216,6 +300,35 @@ def announced_version(address: str, timeout_s: float = 10.0) -> int:
     return int(store.get(key)) if store.check([key]) else -1
 
 
+def readback_mismatches(model: Any, samples: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+    """Compare what the model now holds with what arrived, at the fingerprint's sampled
+    elements: every model parameter that keeps its checkpoint name and size (norms, embeddings,
+    untied heads, unfused projections; fused qkv/gate_up and tensor-parallel shards have no
+    1:1 counterpart and are covered by the wire fingerprint only). The arrived values are cast to
+    the parameter's dtype first, so the comparison is exact. Returns (mismatched names, checked)."""
+    bad, checked = [], 0
+    for name, p in model.named_parameters():
+        got = samples.get(name)
+        if got is None or p.is_meta:
+            if got is not None:
+                bad.append(name)  # left on the meta device: a half-finished reload
+            continue
+        if p.numel() != getattr(samples, "numels", {}).get(name, -1):
+            continue  # a shard or a different layout: no element-wise counterpart
+        checked += 1
+        if not torch.equal(sample_values(name, p), got.to(p.dtype)):
+            bad.append(name)
+    return bad, checked
+
+
+class _Samples(dict):
+    """Sampled elements by name, plus the full size of each tensor they were drawn from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: dict[str, int] = {}
+
+
 class WeightReceiverExtension:
     """vLLM worker extension: `collective_rpc("asyncrl_receive_weights", args=(address, prefix,
     timeout_s))`. Members are named `{prefix}/tp{rank}`. Returns the receiver's result dict."""
@@ -231,10 +344,38 @@ class WeightReceiverExtension:
 
     def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float,
                                 buffered: bool = True) -> dict[str, Any]:
+        """Receive one round and load it; then verify what the model holds against what arrived
+        (`readback_mismatches`). Result: the receiver's dict plus `touched` (the model may hold
+        part of the round: the caller must reload a full version before generating) and
+        `fingerprint_mismatch` (tensors whose sampled elements disagree)."""
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
+        faults = self.__dict__.setdefault("_asyncrl_faults", {})
+        if faults.get("receiver"):
+            receiver.fault = faults.pop("receiver")
         result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
         result.pop("tensors", None)
+        if result["status"] == "ok":
+            model = self.model_runner.get_model()
+            if faults.get("readback", 0) > 0:  # tests: a load that silently left a wrong value
+                faults["readback"] -= 1
+                with torch.no_grad():
+                    dict(model.named_parameters())["model.norm.weight"].view(-1)[:].add_(1.0)
+            t = time.perf_counter()
+            bad, checked = readback_mismatches(model, receiver.samples)
+            result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
+            if bad:
+                log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
+                result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
         return result
+
+    def asyncrl_inject_fault(self, kind: str, count: int = 1) -> None:
+        """Tests only: "fail_mid_stream" / "corrupt_wire" break the next received round;
+        "readback" perturbs model.norm.weight after each of the next `count` loads."""
+        faults = self.__dict__.setdefault("_asyncrl_faults", {})
+        if kind == "readback":
+            faults["readback"] = count
+        else:
+            faults["receiver"] = kind
 
     def asyncrl_close_receiver(self, address: str, prefix: str) -> None:
         self.__dict__.get("_asyncrl_receivers", {}).pop((address, prefix), None)

@@ -87,10 +87,27 @@ def summarize(sync: dict[str, Any], asyn: dict[str, Any], steps: int, warmup: in
                               if t > 0 else 0.0}}
 
 
+def run_publish(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
+    """ASYNCRL_BENCH_E2E=publish: the configured run twice, WeightStore copy published inside the
+    broadcast (sync) vs from a background thread; step and weight-sync seconds per step."""
+    out: dict[str, Any] = {}
+    for mode in ("sync", "background"):
+        c = cfg.model_copy(deep=True)
+        c.learner.weights.publish_mode = mode
+        out[mode] = measure(c, steps, warmup, f"publish-{mode}")
+    rows = [(f"{mode} {key}", out[mode][key]) for key in ("steps_per_s", "step_s", "weight_sync_s")
+            for mode in ("sync", "background")]
+    rows.append(("background / sync step rate", out["background"]["steps_per_s"] / out["sync"]["steps_per_s"]))
+    print_table("e2e: WeightStore publish inside the broadcast vs in the background", rows)
+    return out
+
+
 def run(cfg: Config, args) -> dict[str, Any]:
     smoke = getattr(args, "smoke", False)
     steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 3 if smoke else 12))
     warmup = 1 if smoke else 3
+    if os.environ.get("ASYNCRL_BENCH_E2E") == "publish":
+        return run_publish(cfg, steps, warmup)
     staleness = max(1, cfg.buffer.max_staleness)
     sync_cfg = cfg.model_copy(deep=True)
     sync_cfg.buffer.max_staleness = 0

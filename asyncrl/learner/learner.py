@@ -491,6 +491,14 @@ class LearnerWorker:
         stages: the live parameters, valid until the next optimizer step (copy before that)."""
         module = self.engine.module
         zero3 = self.lc.zero_stage == 3
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # DeepSpeed >= 0.17.3 binds NCCL to the device at init
+        if zero3 and not getattr(self, "_export_warmed", False):
+            # the first gather after deepspeed.initialize under ZeRO-3 can return uninitialised
+            # storage (NaN logprobs in the engines); one forward first, on every rank (collective)
+            with torch.no_grad():
+                module(input_ids=torch.full((1, 1), int(self.pad_id), device=self.device), use_cache=False)
+            self._export_warmed = True
         persistent = set(module.state_dict().keys())
         items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         items += [(n, b) for n, b in module.named_buffers() if n in persistent]

@@ -66,6 +66,8 @@ def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
     for key in ("perf/learner_idle_ratio", "perf/rollout_idle_ratio", "perf/weight_sync_s", "perf/tokens_per_s",
                 "buffer/staleness_hist", "rollout/turns_mean", "train/mismatch_kl", "loss/pg", "reward/overall"):
         assert key in last, key
+    # every sync's fingerprint (wire + read-back) was checked and matched
+    assert all(r["weights/fingerprint_mismatch"] == 0 for r in rows)
     # Run directory artefacts.
     assert (run / "config.resolved.json").exists()
     for step in (2, 4):
@@ -91,6 +93,7 @@ def test_synchronous_run_behaviour_logprobs_match_learner(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = rows_of(tmp_path / "sync")
     assert all(r["buffer/staleness_max"] == 0 for r in rows)
+    assert all(r["weights/fingerprint_mismatch"] == 0 for r in rows)
     # Steps 2 and 3 train on tokens sampled after one and two weight syncs of real updates (lr 1e-3).
     for r in rows:
         assert r["train/mismatch_kl"] < 1e-4, (r["step"], r["train/mismatch_kl"])

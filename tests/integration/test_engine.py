@@ -10,6 +10,7 @@ engine's version; a late joiner catches up from the WeightStore (Ray object stor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -243,3 +244,116 @@ def test_in_flight_update_stamps_both_versions(setup):
     print(f"\nin-flight update: switched after {switches} of 200 tokens ({res['seconds']:.3f}s paused)")
     assert any(0 < sw < 200 for sw in switches)
     sender.close()
+
+
+@contextlib.contextmanager
+def ray_session(namespace: str):
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _publish(s, model, version: int) -> None:
+    from asyncrl.learner.weights import WeightSender
+
+    publisher = WeightSender(SimpleNamespace(bucket_mb=0.06, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
+                             publish=True)
+    assert publisher.broadcast(model.named_parameters(), version).published
+    publisher.close()  # waits for the background publish
+
+
+def _group_update(s, model, version: int, timeout_s: float = 5.0) -> dict:
+    """One broadcast of `model` as `version` to the engine (sender in a thread, as the learner)."""
+    from asyncrl.learner.weights import WeightSender
+
+    sender = WeightSender(SimpleNamespace(bucket_mb=0.05, backend="gloo", timeout_s=timeout_s, host="127.0.0.1"),
+                          members=s.engine.weight_member_ids())
+    t = threading.Thread(target=sender.broadcast, args=(model.named_parameters(), version))
+    t.start()
+    try:
+        return s.lt.run(s.engine.update_weights_from_group(sender.address, timeout_s=timeout_s))
+    finally:
+        t.join(120)
+        sender.close()
+
+
+def _events_since_last_pause(engine) -> list[str]:
+    names = [w for _, w in engine.load_events]
+    return names[len(names) - 1 - names[::-1].index("pause"):]
+
+
+def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(setup):
+    # Streaming mode (the GPU default) forced on the CPU engine: the round breaks after its
+    # first bucket, when vLLM's layer-wise reload has seen part of the model. The engine must
+    # reload the newest full version from the WeightStore inside the same pause, produce no
+    # token in between, resume on exactly the store's weights and report the version it holds.
+    s = setup
+    s.engine.weight_buffered = False
+    with ray_session("test-engine-safe-load"), contextlib.ExitStack() as done:
+        done.callback(setattr, s.engine, "weight_buffered", True)
+        stored = perturbed(s.hf, 0.05, seed=21)
+        _publish(s, stored, 20)
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
+        token_times: list[float] = []
+
+        async def go():
+            import time as _t
+
+            longs = [asyncio.ensure_future(s.engine.generate(s.prompt, 120, 1.0, seed=40 + i, ignore_eos=True,
+                                                             on_tokens=lambda n: token_times.append(_t.monotonic())))
+                     for i in range(3)]
+            await asyncio.sleep(0.5)
+            return longs
+
+        longs = s.lt.run(go())
+        res = _group_update(s, perturbed(s.hf, 0.05, seed=22), 21)
+
+        async def finish():
+            return await asyncio.gather(*longs)
+
+        s.lt.run(finish())
+        events = _events_since_last_pause(s.engine)
+        print(f"\nfailed streamed round: {res['status']} touched={res.get('touched')} recovered="
+              f"{res.get('recovered', {}).get('status')} events={events}")
+        assert res["status"] == "failed" and res["touched"] and res["recovered"]["status"] == "ok"
+        assert events == ["pause", "load_failed", "store_reload_ok", "resume"]
+        times = dict((w, t) for t, w in s.engine.load_events[-4:])
+        assert not [t for t in token_times if times["load_failed"] <= t <= times["resume"]]  # nothing generated
+        assert s.engine.version == 20
+        gens = sample_many(s, 4, seed0=700)
+        diff = max_logprob_diff(s, stored, gens)
+        print(f"after recovery: max diff vs the store's weights {diff:.2e}")
+        assert diff < 1e-4 and all(set(g.versions) == {20} for g in gens)
+
+
+def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_persists(setup):
+    from asyncrl.actors.engine import WeightIntegrityError
+
+    s = setup
+    with ray_session("test-engine-fingerprint"):
+        stored = perturbed(s.hf, 0.05, seed=31)
+        _publish(s, stored, 30)
+        clean = _group_update(s, perturbed(s.hf, 0.05, seed=32), 31)  # a clean round: checked, matches
+        w = clean["workers"][0]
+        print(f"\nclean round: read-back checked {w['readback_checked']} parameters in {w['readback_s'] * 1e3:.2f} ms")
+        assert clean["status"] == "ok" and w["readback_checked"] > 0 and s.engine.version == 31
+        before = s.engine.fingerprint_mismatches
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("readback", 1)))
+        res = _group_update(s, perturbed(s.hf, 0.05, seed=33), 32)
+        assert res["status"] == "fingerprint_mismatch" and res["fingerprint_mismatch"] == 1
+        assert s.engine.fingerprint_mismatches == before + 1
+        assert res["recovered"]["status"] == "ok" and s.engine.version == 30  # healed: the store's version
+        diff = max_logprob_diff(s, stored, sample_many(s, 4, seed0=800))
+        assert diff < 1e-4, diff
+        # persistent: the store's copy mismatches too -> loud failure, never generation
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("readback", 2)))
+        with pytest.raises(WeightIntegrityError):
+            _group_update(s, perturbed(s.hf, 0.05, seed=34), 33)
+        assert s.engine.unsafe and _events_since_last_pause(s.engine)[-1] == "store_reload_mismatch"
+        res = s.lt.run(s.engine.load_weights_from_store())  # the fault is spent: a clean reload resumes
+        assert res["status"] == "ok" and not s.engine.unsafe and s.engine.version == 30
+        assert max_logprob_diff(s, stored, sample_many(s, 2, seed0=900)) < 1e-4

@@ -192,3 +192,17 @@ def test_config_reference_doc_is_current() -> None:
                           cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (ROOT / "docs/config.md").read_text(), "run: python scripts/gen_config_docs.py > docs/config.md"
+
+
+def test_rollout_gpu_defaults_are_derived_and_overridable():
+    from asyncrl.config import Config
+
+    cpu = Config()
+    assert cpu.rollout.enforce_eager is True and cpu.rollout.gpu_memory_utilization == 0.6
+    gpu = Config.model_validate({"rollout": {"gpus_per_actor": 1}})
+    assert gpu.rollout.enforce_eager is False and gpu.rollout.gpu_memory_utilization == 0.9  # CUDA graphs on
+    pinned = Config.model_validate({"rollout": {"gpus_per_actor": 2, "enforce_eager": True,
+                                                "gpu_memory_utilization": 0.5}})
+    assert pinned.rollout.enforce_eager is True and pinned.rollout.gpu_memory_utilization == 0.5
+    assert Config.model_validate({"rollout": {"enforce_eager": False}}).rollout.enforce_eager is False
+    assert Config().learner.weights.publish_mode == "background" and Config().learner.weights.publish_every == 1
