@@ -232,6 +232,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer")).remote(
                 cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, cfg.cluster.port_range)
             topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+            say(f"  replay buffer listening at {topo.buffer_address}")
             snap = resume / "buffer" / "groups.snapshot" if resume else None
             if snap is not None and snap.exists():
                 restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
@@ -249,6 +250,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             ray.get(topo.buffer.set_version.remote(version))
         with step_timer("weight sender (learner rank 0)"):
             topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
+            say(f"  weight rendezvous at {topo.weight_address}")
         with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
             topo.actor_cls = make_rollout_actor_class(cfg)
             start_actors(topo, cfg.rollout.num_actors, timeout)
