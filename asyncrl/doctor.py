@@ -326,10 +326,10 @@ class Doctor:
         missing = sorted(set(receivers) - set(last.get("acked", [])))
         seconds = max(last["seconds"], 1e-9)
         rate = last["bytes"] / seconds
-        est = f"{(full or nbytes) / rate:.2f}s per sync of the {((full or nbytes) / 2**20):.0f} MiB model"
-        detail = (f"{last['bytes'] / 2**20:.0f} MiB to {len(receivers)} node(s) ({', '.join(p['ip'] for p in targets)})"
-                  f" in {seconds:.2f}s = {rate / 1e9:.3f} GB/s (first round with group build {reports[0]['seconds']:.2f}s);"
-                  f" est. {est}")
+        est = f"{(full or nbytes) / rate:.3f}s per sync of the {((full or nbytes) / 2**20):.1f} MiB model"
+        detail = (f"{last['bytes'] / 2**20:.1f} MiB to {len(receivers)} node(s) ({', '.join(p['ip'] for p in targets)})"
+                  f" in {seconds:.3f}s = {rate / 1e9:.3f} GB/s (first round, with the group build: "
+                  f"{reports[0]['seconds']:.2f}s); est. {est}")
         self.add("weight broadcast", not missing, detail + (f"; not acked: {missing}" if missing else ""),
                  "set cluster.network_interface (GLOO/NCCL_SOCKET_IFNAME) to the interface between the nodes"
                  if missing else "")

@@ -43,7 +43,8 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         from asyncrl.replay import BufferClient
 
-        self.buffer_client = BufferClient(topo.buffer_address, actor_id="learner")
+        curve = cfg.buffer.curve if cfg.buffer.curve.enable else None  # the learner is a client like the actors
+        self.buffer_client = BufferClient(topo.buffer_address, curve, actor_id="learner")
         self.t_start = time.time()
         self._failures: dict[str, tuple[str, int]] = {}  # actor -> (error signature, times in a row)
         self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}

@@ -7,9 +7,9 @@ property a multi-host test needs. Node 0 runs `ray start --head`, the others `ra
 for deterministic placement. Commands run in a node with `cluster.run(i, argv)`.
 
 Teardown (`close`, also from the context manager, also after a failed start) stops every
-`ray start --block` process group this helper started (SIGTERM, then SIGKILL), kills by PID any
-process still holding one of its temp dirs, deletes the namespaces, veths and bridge, and
-verifies nothing is left (`leftovers()`). Needs root and `ip`; every wait is bounded.
+`ray start --block` process group this helper started (SIGTERM, then SIGKILL), kills by PID every
+process still inside one of its namespaces (`ip netns pids`) or naming one of its temp dirs,
+deletes the namespaces, veths and bridge, and verifies nothing is left (`leftovers()`). Needs root and `ip`; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class NetnsCluster:
     """`NetnsCluster(cpus=[4, 2])` -> nodes a (head) and b; `start()`, `add_node(cpus)`, `close()`."""
 
     cpus: list[float]
+    extra: dict[int, dict[str, float]] = field(default_factory=dict)
+    """More custom resources per node index (e.g. {1: {"rollout": 1}})."""
     net: int = 217
     log_dir: Path = field(default_factory=lambda: Path("/tmp"))
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:4])
@@ -109,7 +111,8 @@ class NetnsCluster:
     def _ray_start(self, node: Node, cpus: float, timeout_s: float) -> None:
         head = node is self.nodes[0]
         argv = [str(VENV_BIN / "ray"), "start", "--block", "--node-ip-address", node.ip, "--temp-dir", node.temp_dir,
-                "--num-cpus", f"{cpus:g}", "--num-gpus", "0", "--resources", json.dumps({node.resource: 1}),
+                "--num-cpus", f"{cpus:g}", "--num-gpus", "0",
+                "--resources", json.dumps({node.resource: 1, **self.extra.get(self.nodes.index(node), {})}),
                 "--disable-usage-stats"]
         argv += (["--head", "--port", str(self.port), "--include-dashboard", "false"] if head
                  else ["--address", self.address])
@@ -147,7 +150,9 @@ class NetnsCluster:
             raise
         return self
 
-    def add_node(self, cpus: float, timeout_s: float = 240.0) -> Node:
+    def add_node(self, cpus: float, resources: dict[str, float] | None = None, timeout_s: float = 240.0) -> Node:
+        """A node that joins the running cluster (a late host)."""
+        self.extra[len(self.nodes)] = dict(resources or {})
         node = self._make_node(len(self.nodes))
         self._ray_start(node, cpus, timeout_s)
         return node
@@ -169,8 +174,11 @@ class NetnsCluster:
 
     # ------------------------------------------------------------------ teardown
     def _pids_of(self, node: Node) -> list[int]:
-        """Processes whose command line names this node's own temp dir (only ours do)."""
-        out = []
+        """Every process in this node's namespace (only ours run there: Ray, its workers, vLLM's
+        engine processes), plus any that names its temp dir (none should live outside)."""
+        out = set()
+        proc = _ip("netns", "pids", node.ns, check=False)
+        out.update(int(p) for p in proc.stdout.split() if p.isdigit())
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -179,8 +187,9 @@ class NetnsCluster:
             except OSError:
                 continue
             if node.temp_dir in cmd:
-                out.append(int(entry.name))
-        return out
+                out.add(int(entry.name))
+        out.discard(os.getpid())
+        return sorted(out)
 
     def _stop(self, node: Node, sig: int = signal.SIGTERM) -> None:
         if node.proc is not None and node.proc.poll() is None:
@@ -194,7 +203,7 @@ class NetnsCluster:
                 node.proc.wait(timeout=10)
         deadline = time.time() + 20
         while (pids := self._pids_of(node)) and time.time() < deadline:
-            for pid in pids:  # Ray children that left the group (they carry this node's temp dir)
+            for pid in pids:  # what left the process group (Ray workers, engine processes)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -12,7 +12,9 @@ rollout actor, placed by the custom resources node_a / node_b):
   every recipe in configs/ that names more than one node ("needs N GPUs ..., cluster has 0");
 - teardown leaves no process, namespace or link (checked by the fixture).
 Also (no namespaces): the embedded mode starts its own cluster even with a stale address file.
-The slow tier: a rollout actor that fails the same way repeatedly stops the job with one message.
+The slow tier: a rollout actor that fails the same way repeatedly stops the job with one message;
+3 nodes with CurveZMQ on the buffer: a node joins mid-run and `ctl scale 2` puts an actor on it,
+then node b's whole host is killed and the job trains on, losing and repeating no prompt.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from netns_cluster import NetnsCluster, available
+from netns_cluster import NetnsCluster, available, base_env
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = ROOT / "assets" / "tiny-policy"
@@ -220,3 +223,83 @@ def test_repeated_identical_failure_stops_the_job_with_one_message(cluster: Netn
     assert f"rollout-0 on host {b} failed 2 times in a row" in err, err[-3000:]
     assert "unreachable address: tcp://127.0.0.1:" in err and "BufferTimeout" in err
     assert alive_actors(cluster) == []
+
+
+def _wait_for(path: Path, pattern: str, timeout: float, proc: subprocess.Popen | None = None) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = path.read_text() if path.exists() else ""
+        found = re.search(pattern, text)
+        if found:
+            return found.group(0)
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(2)
+    raise AssertionError(f"{pattern!r} not seen in {path} within {timeout}s:\n{path.read_text()[-4000:]}")
+
+
+def _curve_overrides(tmp_path: Path) -> list[str]:
+    """CurveZMQ keys for the cross-host buffer traffic (server key + one authorised client key)."""
+    import zmq.auth
+
+    keys, clients = tmp_path / "keys", tmp_path / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
+    (clients / "client.key").write_text(Path(client_public).read_text())
+    return ["buffer.curve.enable=true", f"buffer.curve.server_secret_key_file={server_secret}",
+            f"buffer.curve.server_public_key_file={server_public}",
+            f"buffer.curve.client_secret_key_file={client_secret}", f"buffer.curve.authorized_clients_dir={clients}"]
+
+
+@needs_netns
+@pytest.mark.slow
+def test_three_nodes_late_node_scale_and_host_loss_with_curve(tmp_path: Path) -> None:
+    """Node c joins after the job started and `ctl scale 2` puts a new actor on it (it catches up
+    from the newest weights); then node b disappears (every process of its host SIGKILLed): the job
+    keeps training, b's prompts are re-issued, no prompt is trained twice. Buffer traffic across
+    the hosts is CurveZMQ-encrypted and authenticated."""
+    if available() is not None:
+        pytest.skip(available())
+    cluster = NetnsCluster(cpus=[4, 2], extra={1: {"rollout": 1}}, log_dir=tmp_path)
+    log = tmp_path / "launch.log"
+    run = tmp_path / "late"
+    proc = None
+    try:
+        cluster.start()
+        argv = ["ip", "netns", "exec", cluster.nodes[0].ns, sys.executable, "-m", "asyncrl.launch", "-c",
+                "configs/quickstart.yaml", f"trainer.run_dir={tmp_path}", *BASE, "trainer.experiment_name=late",
+                "trainer.max_steps=400", f"cluster.ray_address={cluster.address}", "cluster.network_interface=asy0",
+                *[p for p in PLACEMENT if ".rollout." not in p], "cluster.resources.rollout.rollout=0.01",
+                "rollout.max_restarts=3", *_curve_overrides(tmp_path)]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=base_env(), stdout=out, stderr=subprocess.STDOUT)
+        _wait_for(log, r"step 2/", 900, proc)
+        c = cluster.add_node(2, {"rollout": 1})
+        ctl = python(cluster, "-m", "asyncrl.ctl", "scale", "2", "--run-dir", str(run), timeout=600)
+        assert ctl.returncode == 0 and '"added"' in ctl.stdout, ctl.stdout + ctl.stderr
+        _wait_for(log, rf"RolloutWorker pid=\d+, ip={re.escape(c.ip)}\)", 300, proc)
+        steps_before = len((run / "metrics.jsonl").read_text().splitlines())
+        _wait_for(run / "metrics.jsonl", f'"step": {steps_before + 2},', 600, proc)
+        cluster.kill_node(1)  # node b: raylet, its workers and its engine processes
+        _wait_for(log, r"rollout-0 (died|restarted|could not be restarted)", 600, proc)
+        steps_killed = len((run / "metrics.jsonl").read_text().splitlines())
+        _wait_for(run / "metrics.jsonl", f'"step": {steps_killed + 3},', 900, proc)
+        stop = python(cluster, "-m", "asyncrl.ctl", "stop", "--run-dir", str(run), timeout=600)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        cluster.close()
+    assert not cluster.leftovers(), cluster.leftovers()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    trained = [i for r in rows for i in r["train/prompt_indices"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    assert all(r["buffer/staleness_max"] <= 1 for r in rows)
+    last = rows[-1]
+    assert last["buffer/ingested"] == (last["buffer/consumed"] + last["buffer/size_groups"]
+                                       + last["buffer/dropped_stale"] + last["buffer/dropped_filtered"])
