@@ -46,7 +46,9 @@ PLACEMENT = ["cluster.resources.learner.node_a=0.01", "cluster.resources.buffer.
 
 
 def job_args(cluster: NetnsCluster) -> list[str]:
-    return [f"cluster.ray_address={cluster.address}", "cluster.network_interface=asy0", *PLACEMENT]
+    # startup_timeout_s: the namespaces share this machine's 2 cores with whatever else runs on it
+    return [f"cluster.ray_address={cluster.address}", "cluster.network_interface=asy0", "cluster.startup_timeout_s=600",
+            *PLACEMENT]
 
 
 @pytest.fixture(scope="module")
