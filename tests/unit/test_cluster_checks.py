@@ -9,7 +9,13 @@ import socket
 
 import pytest
 
-from asyncrl.addresses import bind_and_advertise, bind_first, candidate_ports, insecure_listeners, resolve_hosts
+from asyncrl.addresses import (
+    bind_and_advertise,
+    bind_first,
+    candidate_ports,
+    insecure_listeners,
+    resolve_hosts,
+)
 from asyncrl.cluster import interface_problems, resource_problems, shm_problems
 from asyncrl.config import ConfigError, load_config
 
@@ -91,3 +97,23 @@ def test_interface_must_exist_on_every_node() -> None:
     problems = interface_problems(cfg, [node(2), node(2, ip="10.0.0.2")])
     assert len(problems) == 2 and "no interface 'ib0'" in problems[0]
     assert interface_problems(load_config(None, ["cluster.network_interface=eth"]), [node(2)]) == []
+
+
+def test_model_paths_are_resolved_once_for_every_role(tmp_path, monkeypatch) -> None:
+    from asyncrl.cluster import resolve_model_paths
+
+    cfg = load_config("configs/quickstart.yaml", [f"cluster.model_dir={tmp_path}"])
+    resolve_model_paths(cfg)
+    assert cfg.model.path.startswith("/") and cfg.model.path.endswith("assets/tiny-policy")
+    # A hub id already downloaded to cluster.model_dir is used from there, without the hub.
+    (tmp_path / "org--model").mkdir()
+    (tmp_path / "org--model" / "config.json").write_text("{}")
+    hub = load_config(None, ["model.path=org/model", f"cluster.model_dir={tmp_path}"])
+    resolve_model_paths(hub)
+    assert hub.model.path == str(tmp_path / "org--model")
+    # Offline and not there: one message naming the key, the id and the directory.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = load_config(None, ["model.path=org/absent", f"cluster.model_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"model.path='org/absent' is not a local directory and could not be "
+                                         rf"downloaded to {tmp_path}/org--absent"):
+        resolve_model_paths(missing)
