@@ -117,8 +117,11 @@ class NetnsCluster:
         argv += (["--head", "--port", str(self.port), "--include-dashboard", "false"] if head
                  else ["--address", self.address])
         node.log = self.log_dir / f"ray-{node.ns}.log"
+        # Every "host" sees the whole machine's memory, shared with other work: Ray's per-node memory
+        # monitor would kill this cluster's workers for memory they do not use.
+        env = dict(base_env(), RAY_memory_monitor_refresh_ms="0")
         with open(node.log, "w") as out:
-            node.proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], cwd=ROOT, env=base_env(),
+            node.proc = subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], cwd=ROOT, env=env,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_nodes(len([n for n in self.nodes if n.proc is not None]), timeout_s, node)
 
