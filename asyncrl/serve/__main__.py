@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                         cfg.cluster.port_range)
 
     if embedded:
-        ray.init(num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=cfg.cluster.namespace,
-                 include_dashboard=False)
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus,
+                 namespace=cfg.cluster.namespace, include_dashboard=False)  # never a stale cluster's address
     else:
         ray.init(address=cfg.cluster.ray_address, namespace=cfg.cluster.namespace)
     stop = threading.Event()
