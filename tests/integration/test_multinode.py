@@ -47,7 +47,7 @@ PLACEMENT = ["cluster.resources.learner.node_a=0.01", "cluster.resources.buffer.
 
 def job_args(cluster: NetnsCluster) -> list[str]:
     # startup_timeout_s: the namespaces share this machine's 2 cores with whatever else runs on it
-    return [f"cluster.ray_address={cluster.address}", "cluster.network_interface=asy0", "cluster.startup_timeout_s=600",
+    return [f"cluster.ray_address={cluster.address}", "cluster.network_interface=asy0", "cluster.startup_timeout_s=900",
             *PLACEMENT]
 
 
@@ -87,11 +87,12 @@ def launch(cluster: NetnsCluster, run_dir: Path, *overrides: str, config: str = 
 
 # ------------------------------------------------------------------------------------- training
 @needs_netns
+@pytest.mark.timeout(1800)  # a vLLM engine start took over 10 minutes here at load average 60
 def test_two_node_job_trains_across_hosts_with_matching_logprobs(cluster: NetnsCluster, tmp_path: Path) -> None:
     a, b = cluster.nodes[0].ip, cluster.nodes[1].ip
     proc = launch(cluster, tmp_path, *BASE, *job_args(cluster), "trainer.experiment_name=mn", "trainer.max_steps=3",
                   "buffer.max_staleness=0", "learner.optim.lr=1e-3", "rollout.temperature=1.0",
-                  "reward.kwargs.hallucination_weight=0.2")
+                  "reward.kwargs.hallucination_weight=0.2", timeout=1700)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     # Listeners advertise node a's own address (never loopback or a wildcard) ...
