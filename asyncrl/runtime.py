@@ -106,6 +106,10 @@ class Topology:
         if self.learner is not None:
             self.learner.shutdown()
             self.learner = None
+            try:  # detached (it outlives a restarted learner); on a shared cluster it must not outlive the job
+                ray.kill(ray.get_actor("WeightStore", namespace=self.namespace))
+            except ValueError:
+                pass  # nothing was published
         if self.verifier is not None:
             try:
                 from ray import serve
