@@ -288,10 +288,13 @@ class VerifierConfig(Section):
     """GPUs per replica (vllm back-end)."""
     autoscaling: AutoscalingConfig | None = None
     """Ray Serve autoscaling; None = fixed `num_replicas`."""
-    host: str = "127.0.0.1"
-    """HTTP bind address of the OpenAI-compatible ingress."""
+    host: str = "auto"
+    """HTTP bind address of the OpenAI-compatible ingress (Serve's proxy on the head node): `auto` =
+    loopback on an embedded cluster, the head node's address on a joined cluster; `node`, a
+    wildcard (advertises the node IP) or an address (asyncrl.addresses). Rollout actors reach the
+    verifier through Serve handles, not this port."""
     port: int = Field(8000, ge=0, le=65535)
-    """HTTP port of the ingress."""
+    """HTTP port of the ingress; 0 = a free one (from `cluster.port_range` when set)."""
     api_key: str = ""
     """If set, the ingress requires `Authorization: Bearer <key>`; `env:NAME` reads the environment."""
     http: VerifierHTTPConfig = Field(default_factory=VerifierHTTPConfig)
@@ -335,10 +338,12 @@ class BufferConfig(Section):
     """Buffered bytes at most (MiB)."""
     max_frame_mb: float = Field(256.0, gt=0)
     """Largest accepted frame (MiB); larger frames are rejected and counted."""
-    host: str = "127.0.0.1"
-    """Bind address; loopback unless multi-host (then enable CurveZMQ)."""
+    host: str = "auto"
+    """Bind address of the ROUTER: `auto` = loopback on an embedded cluster, the hosting node's
+    address on a joined cluster; `node`, a wildcard (advertises the node IP) or an address
+    (asyncrl.addresses). Beyond loopback, enable CurveZMQ."""
     port: int = Field(0, ge=0, le=65535)
-    """ROUTER port for producers and the learner; 0 = pick a free one."""
+    """ROUTER port for producers and the learner; 0 = pick a free one (from `cluster.port_range`)."""
     hwm: int = Field(64, gt=0)
     """ZeroMQ high-water mark (messages queued per peer before back-pressure)."""
     ticket_lease_s: float = Field(1800.0, gt=0)
@@ -416,8 +421,11 @@ class WeightSyncConfig(Section):
     timeout_s: float = Field(60.0, gt=0)
     """Watchdog bound on every weight collective; a member past it is dropped and re-fed from the
     object store."""
-    host: str = "127.0.0.1"
-    """Address of the weight group's rendezvous store (learner rank 0)."""
+    host: str = "auto"
+    """Advertised address of the weight group's rendezvous TCPStore on learner rank 0: `auto` =
+    loopback on an embedded cluster, rank 0's node address on a joined cluster (asyncrl.addresses)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Rendezvous port; 0 = a free one (from `cluster.port_range` when set)."""
     publish_mode: Literal["background", "sync"] = "background"
     """How the WeightStore copy (late joiners, fallbacks) is published: from a background thread
     (the next learner step does not wait for it; versions still reach the store in order) or
@@ -503,6 +511,26 @@ class ClusterConfig(Section):
     """Ray namespace of the job's named actors."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Longest wait for any component to start before failing with its name."""
+    port_range: str | None = None
+    """`lo-hi` (e.g. `20000-20099`): listeners whose port is 0 pick from this range, so a firewall
+    can allow one fixed range between the nodes; None = any free port."""
+    network_interface: str | None = None
+    """Interface the collectives use on every node (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+    for every role, e.g. `eth0`); None = the standard variables from the environment, else the
+    libraries' own choice (by hostname, often wrong on multi-homed hosts)."""
+    resources: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Extra Ray resources per role (`buffer`, `coordinator`, `learner` (per rank), `rollout` (per
+    actor), `verifier` (per replica)), e.g. `{rollout: {node_b: 0.01}}` to pin a role to nodes
+    started with `--resources '{"node_b": 1}'`."""
+    model_dir: str | None = None
+    """Directory every node can read where a hub id in `model.path` / `verifier.model_path` is
+    downloaded once by the driver; None = `~/.cache/asyncrl/models` (single host or shared home)."""
+    min_shm_gb: float = Field(1.0, ge=0)
+    """Smallest /dev/shm the launcher and doctor accept on a node hosting an engine or a learner
+    rank (Kubernetes pods default to 64 MB: mount an emptyDir of medium Memory there)."""
+    max_identical_failures: int = Field(3, ge=1)
+    """A rollout actor that fails this many times in a row with the same error stops the job
+    (naming the actor, its host and the address it could not reach) instead of restarting forever."""
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -535,6 +563,21 @@ class TrainerConfig(Section):
     """Decoded trajectories written to samples/ per evaluation."""
     seed: int = 1
     """Global seed (torch, numpy, python)."""
+
+
+CLUSTER_ROLES = ("buffer", "coordinator", "learner", "rollout", "verifier")
+
+
+def _cluster_problems(c: ClusterConfig) -> list[str]:
+    from asyncrl.addresses import parse_port_range
+
+    problems = [f"cluster.resources.{role}: unknown role (one of {', '.join(CLUSTER_ROLES)})"
+                for role in c.resources if role not in CLUSTER_ROLES]
+    try:
+        parse_port_range(c.port_range)
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems
 
 
 # --------------------------------------------------------------------------------------------- root
@@ -600,6 +643,7 @@ class Config(Section):
             need += self.verifier.num_replicas * self.verifier.gpus_per_replica
             if need > self.cluster.num_gpus:
                 problems.append(f"roles need {need:g} GPUs but cluster.num_gpus is {self.cluster.num_gpus}")
+        problems += _cluster_problems(self.cluster)
         if problems:
             raise ValueError("; ".join(problems))
         return self

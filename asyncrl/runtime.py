@@ -30,6 +30,11 @@ class StartupError(RuntimeError):
     """A component could not start; the message names it."""
 
 
+class RepeatedFailure(StartupError):
+    """A component failed the same way `cluster.max_identical_failures` times in a row; the
+    message names it, its host and the address it could not reach. Stops the job (exit 1)."""
+
+
 def say(message: str) -> None:
     print(f"[asyncrl] {message}", flush=True)
 
@@ -101,6 +106,10 @@ class Topology:
         if self.learner is not None:
             self.learner.shutdown()
             self.learner = None
+            try:  # detached (it outlives a restarted learner); on a shared cluster it must not outlive the job
+                ray.kill(ray.get_actor("WeightStore", namespace=self.namespace))
+            except ValueError:
+                pass  # nothing was published
         if self.verifier is not None:
             try:
                 from ray import serve
@@ -137,26 +146,65 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def ray_init(cfg: Config, namespace: str) -> None:
+    """Join `cluster.ray_address`, or start the embedded single-host cluster. The embedded mode
+    always starts its own cluster (`address="local"`), even when a stale or live
+    /tmp/ray/ray_current_cluster or RAY_ADDRESS would make a plain `ray.init()` join another one.
+    The job's code reaches every node through `runtime_env` (asyncrl.cluster.job_runtime_env)."""
     import ray
 
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE":
-                        os.environ.get("HF_HUB_OFFLINE", "1"), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-                        "VLLM_CPU_KVCACHE_SPACE": str(int(max(1, cfg.rollout.cpu_kvcache_gb))),
-                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                        "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
-                        "TORCH_CPP_LOG_LEVEL": "ERROR",
-                        "PYTHONPATH": str(Path(__file__).resolve().parents[1])}}
+    from asyncrl.cluster import job_runtime_env
+
+    env = job_runtime_env(cfg)
     if cfg.cluster.ray_address:
         _check_reachable(cfg.cluster.ray_address)
         try:
             ray.init(address=cfg.cluster.ray_address, namespace=namespace, runtime_env=env, logging_level="WARNING")
         except Exception as exc:
-            raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}") from exc
+            hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+                " (a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here)")
+            raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}{hint}") from exc
     else:
         num_cpus = cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2)
         # Embedded cluster: every Ray endpoint on loopback (token auth is Ray's default for new clusters).
-        ray.init(num_cpus=num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=namespace, runtime_env=env,
-                 include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=namespace,
+                 runtime_env=env, include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
+
+
+def preflight(cfg: Config) -> None:
+    """Checks on the live cluster before any component starts: resources (placement feasible),
+    /dev/shm and interfaces of the nodes, listener addresses resolved and loudly reported when
+    they are open beyond loopback without authentication, model paths resolved once."""
+    import ray
+
+    from asyncrl.addresses import insecure_listeners, is_loopback, resolve_hosts
+    from asyncrl.cluster import (
+        interface_problems,
+        probe_nodes,
+        resolve_model_paths,
+        resource_problems,
+        shm_problems,
+    )
+
+    where = cfg.cluster.ray_address or "embedded"
+    problems = resource_problems(cfg, ray.nodes(), where)
+    if problems:
+        raise StartupError("the cluster cannot place this job: " + "; ".join(problems))
+    probes = probe_nodes(cfg.cluster.startup_timeout_s)
+    problems = shm_problems(cfg, probes) + interface_problems(cfg, probes)
+    if problems:
+        raise StartupError("; ".join(problems))
+    resolve_hosts(cfg)
+    if len(probes) > 1:
+        for key, host in (("buffer.host", cfg.buffer.host), ("learner.weights.host", cfg.learner.weights.host)):
+            if is_loopback(host):
+                say(f"WARNING: {key}={host} on a {len(probes)}-node cluster: components on other nodes cannot "
+                    "reach it (use auto; python -m asyncrl.doctor checks this)")
+    for line in insecure_listeners(cfg):
+        say(f"WARNING: listening beyond loopback without authentication: {line}")
+    try:
+        resolve_model_paths(cfg)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
@@ -179,13 +227,16 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
         with step_timer("coordinator"):
             topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
-                name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None).remote(
+                name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
+                resources=cfg.cluster.resources.get("coordinator")).remote(
                 rows, cfg.data.model_dump_json(),
                 stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None)
             ray.get(topo.coordinator.get_state.remote(), timeout=timeout)
         with step_timer("replay buffer"):
-            topo.buffer = BufferHost.options(num_cpus=0).remote(cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size)
+            topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer")).remote(
+                cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, cfg.cluster.port_range)
             topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+            say(f"  replay buffer listening at {topo.buffer_address}")
             snap = resume / "buffer" / "groups.snapshot" if resume else None
             if snap is not None and snap.exists():
                 restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
@@ -202,7 +253,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             ray.get(topo.coordinator.set_version.remote(version))
             ray.get(topo.buffer.set_version.remote(version))
         with step_timer("weight sender (learner rank 0)"):
-            topo.weight_address = topo.learner.start_weight_sender(port=0, publish=True)
+            topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
+            say(f"  weight rendezvous at {topo.weight_address}")
         with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
             topo.actor_cls = make_rollout_actor_class(cfg)
             start_actors(topo, cfg.rollout.num_actors, timeout)
@@ -240,7 +292,7 @@ def start_actors(topo: Topology, count: int, timeout: float) -> list[str]:
     for _ in range(count):
         actor_id = f"rollout-{topo.next_actor_index}"
         topo.next_actor_index += 1
-        new[actor_id] = topo.actor_cls.options(name=actor_id).remote(
+        new[actor_id] = topo.actor_cls.options(name=actor_id, resources=topo.cfg.cluster.resources.get("rollout")).remote(
             topo.cfg.model_dump_json(), actor_id, topo.buffer_address, topo.namespace)
     reports = ray.get([a.start.remote() for a in new.values()], timeout=timeout)
     for report in reports:
@@ -315,6 +367,9 @@ def run(cfg: Config) -> int:
         resume = find_resume(cfg, run_dir)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
+        with step_timer("preflight (resources, nodes, addresses, model paths)"):
+            preflight(cfg)
+        (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
         stop.install()  # after ray.init, which installs its own SIGTERM handler in the driver
         topo = build_topology(cfg, run_dir, resume)
         (run_dir / "job.json").write_text(json.dumps({

@@ -11,6 +11,7 @@ for the learner: it is paced only by the buffer's admission tickets (staleness b
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,8 +43,10 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         from asyncrl.replay import BufferClient
 
-        self.buffer_client = BufferClient(topo.buffer_address, actor_id="learner")
+        curve = cfg.buffer.curve if cfg.buffer.curve.enable else None  # the learner is a client like the actors
+        self.buffer_client = BufferClient(topo.buffer_address, curve, actor_id="learner")
         self.t_start = time.time()
+        self._failures: dict[str, tuple[str, int]] = {}  # actor -> (error signature, times in a row)
         self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
 
     # ------------------------------------------------------------------ main
@@ -67,6 +70,7 @@ class Trainer:
             if metrics is None:
                 break
             self.step += 1
+            self._failures.clear()  # a trained step: earlier failures were not a persistent fault
             self.logger.log(self.step, metrics)
             if bar is not None:
                 bar.update(1)
@@ -253,6 +257,7 @@ class Trainer:
                 ray.get(ref)
                 continue  # ended normally (stop requested)
             except Exception as exc:  # noqa: BLE001 - actor death is expected here; we heal it
+                self._count_failure(aid, exc)
                 say(f"{aid} died ({type(exc).__name__}); re-issuing its prompts and restarting it")
             lost = ray.get(self.topo.coordinator.abandon_actor.remote(aid))
             self.loops.pop(aid)
@@ -268,6 +273,26 @@ class Trainer:
         if changed:
             live = [a for a in self.loops if a in self.topo.actors]
             enrol(self.topo, live, remove_first=True)
+
+    def _count_failure(self, aid: str, exc: BaseException) -> None:
+        """Raise RepeatedFailure once `aid` failed `cluster.max_identical_failures` times in a row
+        with the same error (a restart cannot fix an unreachable address)."""
+        from asyncrl.runtime import RepeatedFailure
+
+        cause = getattr(exc, "cause", None) or exc
+        text = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+        signature = re.sub(r"\d+(\.\d+)?s\b", "Ns", text)  # "within 30.0s" and the like do not make it new
+        last, count = self._failures.get(aid, ("", 0))
+        count = count + 1 if signature == last else 1
+        self._failures[aid] = (signature, count)
+        if count >= self.cfg.cluster.max_identical_failures:
+            ip = re.search(r"\bip[=:] ?(\d{1,3}(?:\.\d{1,3}){3})", str(exc))
+            host = getattr(exc, "ip", None) or (ip.group(1) if ip else "unknown host")
+            found = re.search(r"(tcp://[^\s,;)]+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+)", text)
+            where = f"; unreachable address: {found.group(1)}" if found else ""
+            raise RepeatedFailure(f"{aid} on host {host} failed {count} times in a row with the same error "
+                                  f"({text}){where}; stopping instead of restarting it again "
+                                  "(python -m asyncrl.doctor --config ... checks every address from every node)")
 
     # ------------------------------------------------------------------ ctl commands
     def handle_commands(self) -> None:

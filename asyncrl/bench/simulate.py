@@ -220,8 +220,8 @@ def run(cfg, args) -> dict[str, Any]:
     n = cfg.rollout.n
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(4, (os.cpu_count() or 2) * 2), include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=max(4, (os.cpu_count() or 2) * 2), include_dashboard=False,
+                 logging_level="ERROR", log_to_driver=False)
     cells = []
     try:
         for ranks in ranks_list:

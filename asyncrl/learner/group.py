@@ -88,7 +88,8 @@ class LearnerActor:
             return None
         from asyncrl.learner.weights import WeightSender
 
-        self.sender = WeightSender(self.worker.cfg.learner.weights, port, publish=publish)
+        cfg = self.worker.cfg
+        self.sender = WeightSender(cfg.learner.weights, port, publish=publish, port_range=cfg.cluster.port_range)
         return self.sender.address
 
     def weight_sender(self, method: str, *args: Any) -> Any:
@@ -128,6 +129,7 @@ class LearnerGroup:
         bundle: dict[str, float] = {"CPU": lc.cpus_per_rank}
         if lc.num_gpus > 0:
             bundle["GPU"] = 1
+        bundle.update(cfg.cluster.resources.get("learner", {}))  # e.g. pin the ranks to a node
         self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         timeout = cfg.cluster.startup_timeout_s
         ray.get(self._pg.ready(), timeout=timeout)

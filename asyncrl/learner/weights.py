@@ -59,6 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl.addresses import bind_and_advertise, bind_first, candidate_ports
+
 log = logging.getLogger(__name__)
 
 PREFIX = "asyncrl_w"
@@ -320,15 +322,19 @@ class WeightSender:
     broadcast into the `WeightStore` actor (needs `ray.init` first)."""
 
     def __init__(self, cfg: Any, port: int = 0, *, publish: bool = False, store_name: str = "WeightStore",
-                 members: Iterable[str] = ()) -> None:
+                 members: Iterable[str] = (), port_range: str | None = None) -> None:
         self.backend = resolve_backend(cfg.backend)
         bucket_mb = cfg.bucket_mb
         if self.backend == "gloo":  # small buckets pipeline far better on gloo (see WeightSyncConfig)
             bucket_mb = min(bucket_mb, getattr(cfg, "gloo_bucket_mb", bucket_mb))
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = float(cfg.timeout_s)
-        self.host = cfg.host
-        self.store = make_store(self.host, port, is_master=True, timeout_s=self.timeout_s)
+        # Receivers are told this process's node address (asyncrl.addresses), never a wildcard.
+        # (torch's master TCPStore listens on every interface whatever the host.)
+        bind, self.host = bind_and_advertise(cfg.host)
+        ports = candidate_ports(port or getattr(cfg, "port", 0), port_range)
+        self.store = bind_first(ports, lambda p: make_store(bind, p, is_master=True, timeout_s=self.timeout_s),
+                                "weight rendezvous (learner.weights)", self.host)
         self.port = self.store.port
         self.publish = publish
         self.store_name = store_name

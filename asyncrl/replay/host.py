@@ -14,10 +14,10 @@ from asyncrl.config import BufferConfig
 
 @ray.remote(num_cpus=0)
 class BufferHost:
-    def __init__(self, cfg_json: str, batch_size: int):
+    def __init__(self, cfg_json: str, batch_size: int, port_range: str | None = None):
         from asyncrl.replay.server import ReplayBufferServer
 
-        self.server = ReplayBufferServer(BufferConfig.model_validate_json(cfg_json), batch_size)
+        self.server = ReplayBufferServer(BufferConfig.model_validate_json(cfg_json), batch_size, port_range)
 
     def start(self) -> str:
         return self.server.start()

@@ -24,7 +24,8 @@ ZeroMQ settings (chosen deliberately):
   being dropped silently; it is counted (`buffer/reply_failures`) and batches are requeued.
 - ``MAXMSGSIZE = max_frame + 64 KiB``: libzmq disconnects a peer sending a frame above it before the
   memory is spent (not countable here); frames between the two limits get an `oversized` reply.
-- ``LINGER = 0`` on close; binds 127.0.0.1 unless `cfg.host` says otherwise; CurveZMQ when
+- ``LINGER = 0`` on close; binds and advertises per `asyncrl.addresses` (loopback unless `cfg.host`
+  says otherwise; never advertises a wildcard); CurveZMQ when
   `cfg.curve.enable` (server keys from files, clients authorized by the public keys in a directory).
 """
 
@@ -41,6 +42,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from asyncrl.addresses import bind_and_advertise, bind_first, candidate_ports
 from asyncrl.config import BufferConfig
 from asyncrl.protocol import (
     Ack,
@@ -82,8 +84,9 @@ class ReplayBufferServer:
     """`start()` binds and serves in a daemon thread; `stats()`, `snapshot()`, `restore()`,
     `set_version()` may also be called in-process (they take the state lock)."""
 
-    def __init__(self, cfg: BufferConfig, batch_size: int) -> None:
+    def __init__(self, cfg: BufferConfig, batch_size: int, port_range: str | None = None) -> None:
         self.cfg = cfg
+        self.port_range = port_range
         self.max_frame_bytes = int(cfg.max_frame_mb * 2**20)
         ds = cfg.dynamic_sampling
         self.state = BufferState(
@@ -166,11 +169,19 @@ class ReplayBufferServer:
             self._auth.configure_curve(domain="*", location=curve.authorized_clients_dir)
             public, secret = zmq.auth.load_certificate(curve.server_secret_key_file)
             sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-        if self.cfg.port:
-            sock.bind(f"tcp://{self.cfg.host}:{self.cfg.port}")
-        else:
-            sock.bind(f"tcp://{self.cfg.host}:*")
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Bind the configured interface, advertise this process's node address (never a wildcard).
+        bind, advertise = bind_and_advertise(self.cfg.host)
+
+        def bind_port(port: int) -> int:
+            sock.bind(f"tcp://{bind}:{port or '*'}")
+            return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+        try:
+            port = bind_first(candidate_ports(self.cfg.port, self.port_range), bind_port, "replay buffer", bind)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self.address = f"tcp://{advertise}:{port}"
         return sock
 
     def _run(self) -> None:

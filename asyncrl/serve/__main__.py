@@ -25,14 +25,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from asyncrl.serve.deploy import deploy_verifier, resolve_port, shutdown_verifier
-
-    vcfg = resolve_port(cfg.verifier)
+    from asyncrl.addresses import resolve_host
+    from asyncrl.serve.deploy import deploy_verifier, resolve_port, shutdown_verifier, verifier_url
 
     embedded = cfg.cluster.ray_address is None
+    vcfg = resolve_port(cfg.verifier.model_copy(update={"host": resolve_host(cfg.verifier.host, not embedded)}),
+                        cfg.cluster.port_range)
+
     if embedded:
-        ray.init(num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=cfg.cluster.namespace,
-                 include_dashboard=False)
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus,
+                 namespace=cfg.cluster.namespace, include_dashboard=False)  # never a stale cluster's address
     else:
         ray.init(address=cfg.cluster.ray_address, namespace=cfg.cluster.namespace)
     stop = threading.Event()
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         deploy_verifier(vcfg)
-        print(f"verifier {vcfg.version} ({vcfg.backend}) serving at http://{vcfg.host}:{vcfg.port}/v1 "
+        print(f"verifier {vcfg.version} ({vcfg.backend}) serving at {verifier_url()} "
               f"(POST /chat/completions, GET /models, GET /health); Ctrl-C stops", flush=True)
         stop.wait()
     except RuntimeError as exc:

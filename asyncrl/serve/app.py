@@ -186,9 +186,12 @@ def build_http_app(replica: VerifierReplica) -> FastAPI:
     return api
 
 
-def deployment_options(cfg: VerifierConfig) -> dict[str, Any]:
-    """Serve deployment options derived from the verifier config (replicas, resources, rollout)."""
+def deployment_options(cfg: VerifierConfig, resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Serve deployment options derived from the verifier config (replicas, resources, rollout);
+    `resources`: extra Ray resources per replica (`cluster.resources.verifier`)."""
     actor: dict[str, Any] = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica}
+    if resources:
+        actor["resources"] = dict(resources)
     if cfg.backend == "vllm" and cfg.gpus_per_replica == 0:
         # vLLM's CPU build: a small KV cache and one OpenMP thread unless the user set them.
         actor["runtime_env"] = {"env_vars": {
@@ -216,7 +219,8 @@ def deployment_options(cfg: VerifierConfig) -> dict[str, Any]:
     return opts
 
 
-def build_app(cfg: VerifierConfig, *, rule_fn: Callable[[list[dict]], str] | None = None) -> Any:
+def build_app(cfg: VerifierConfig, *, rule_fn: Callable[[list[dict]], str] | None = None,
+              resources: dict[str, float] | None = None) -> Any:
     """The Serve application for `cfg` (not yet running; deploy.py runs it).
 
     `rule_fn` replaces `asyncrl.tasks.get_rule_verifier(cfg.task)` in the rule back-end (tests,
@@ -227,6 +231,6 @@ def build_app(cfg: VerifierConfig, *, rule_fn: Callable[[list[dict]], str] | Non
     from asyncrl.serve.backends import BACKENDS
 
     cls = serve.ingress()(BACKENDS[cfg.backend])
-    deployment = serve.deployment(**deployment_options(cfg))(cls)
+    deployment = serve.deployment(**deployment_options(cfg, resources))(cls)
     kwargs = {"rule_fn": rule_fn} if (rule_fn is not None and cfg.backend == "rule") else {}
     return deployment.bind(cfg.model_dump(), **kwargs)

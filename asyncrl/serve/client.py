@@ -74,7 +74,11 @@ class VerifierClient:
 
             handle = serve.get_app_handle(app_name)
         self.handle = handle
-        self.base_url = (base_url or f"http://{cfg.host}:{cfg.port}/v1").rstrip("/")
+        if base_url is None:
+            from asyncrl.addresses import bind_and_advertise
+
+            base_url = f"http://{bind_and_advertise(cfg.host)[1]}:{cfg.port}/v1"
+        self.base_url = base_url.rstrip("/")
         key = cfg.api_key if api_key is None else api_key
         if key.startswith("env:"):
             from asyncrl.serve.app import resolve_secret

@@ -17,12 +17,12 @@ running yet) and runs the `verifier` application; it returns the application's h
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from asyncrl.addresses import WILDCARDS, bind_and_advertise, free_port, is_loopback
 from asyncrl.config import Config, VerifierConfig
 from asyncrl.serve.app import APP_NAME, build_app
 
@@ -31,6 +31,8 @@ logger = logging.getLogger("asyncrl.serve")
 # What this process deployed last, per app name: needed to roll back a failed swap when the old
 # config carried a custom rule function (the replicas' own `info()` is the fallback).
 _DEPLOYED: dict[str, tuple[VerifierConfig, Callable | None]] = {}
+# Extra Ray resources of the replicas (`cluster.resources.verifier`), kept for later swaps.
+_RESOURCES: dict[str, dict[str, float]] = {}
 
 
 @dataclass
@@ -63,21 +65,43 @@ def _verifier_cfg(cfg: Config | VerifierConfig) -> VerifierConfig:
     return cfg.verifier if isinstance(cfg, Config) else cfg
 
 
-def resolve_port(cfg: VerifierConfig) -> VerifierConfig:
-    """`port=0` -> a free port on `cfg.host` (Serve's proxy needs a concrete one)."""
+def ingress_hosts(cfg: VerifierConfig) -> tuple[str, str, str | None]:
+    """`(bind, advertise, proxy_location)` of the HTTP ingress (rule of asyncrl.addresses). A
+    node address or a wildcard puts Serve's one proxy on the head node and advertises the head's
+    IP; loopback keeps Serve's default placement (a proxy per node, each on its own loopback)."""
+    if cfg.host == "node" or cfg.host in WILDCARDS:
+        head = head_node_ip()
+        return (head if cfg.host == "node" else "0.0.0.0"), head, "HeadOnly"
+    bind, advertise = bind_and_advertise(cfg.host)
+    return bind, advertise, None
+
+
+def head_node_ip() -> str:
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
+def resolve_port(cfg: VerifierConfig, port_range: str | None = None) -> VerifierConfig:
+    """`port=0` -> a free port (from `port_range` when set; Serve's proxy needs a concrete one)."""
     if cfg.port != 0:
         return cfg
-    with socket.socket() as s:
-        s.bind((cfg.host, 0))
-        return cfg.model_copy(update={"port": s.getsockname()[1]})
+    bind = "127.0.0.1" if is_loopback(bind_and_advertise(cfg.host)[0]) else "0.0.0.0"
+    return cfg.model_copy(update={"port": free_port(bind, port_range)})
 
 
-def start_serve(cfg: VerifierConfig) -> None:
-    """Start Serve (controller + HTTP proxy on cfg.host:cfg.port) unless it runs already. One Ray
-    cluster has one Serve proxy: if Serve already runs, its host/port stay (Serve logs a warning)."""
+def start_serve(cfg: VerifierConfig) -> VerifierConfig:
+    """Start Serve (controller + HTTP proxy on the ingress address) unless it runs already; returns
+    `cfg` with `host` = the advertised address. One Ray cluster has one Serve: if Serve already
+    runs, its host/port stay (Serve logs a warning)."""
     from ray import serve
 
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    bind, advertise, location = ingress_hosts(cfg)
+    serve.start(http_options={"host": bind, "port": cfg.port}, **({"proxy_location": location} if location else {}))
+    return cfg.model_copy(update={"host": advertise})
 
 
 def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route_prefix: str = "/",
@@ -86,9 +110,12 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
     Raises RuntimeError with Serve's message when the version cannot start."""
     from ray import serve
 
-    vcfg = resolve_port(_verifier_cfg(cfg))
-    start_serve(vcfg)
-    handle = serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix)
+    port_range = cfg.cluster.port_range if isinstance(cfg, Config) else None
+    if isinstance(cfg, Config) and cfg.cluster.resources.get("verifier"):
+        _RESOURCES[name] = cfg.cluster.resources["verifier"]
+    vcfg = start_serve(resolve_port(_verifier_cfg(cfg), port_range))
+    handle = serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
+                       route_prefix=route_prefix)
     _DEPLOYED[name] = (vcfg, rule_fn)
     logger.info("verifier %s (%s) serving at %s", vcfg.version, vcfg.backend, verifier_url(name))
     return handle
@@ -125,14 +152,16 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
         old_cfg = None
     t0 = time.perf_counter()
     try:
-        serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix)
+        serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
+                  route_prefix=route_prefix)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}" + _deployment_message(name)
         logger.error("verifier %s failed to start: %s", vcfg.version, error)
         if old_cfg is None:
             return SwapReport(False, None, vcfg.version, None, time.perf_counter() - t0, error)
         # Serve kept the old replicas; redeploy the old config so the app is healthy again.
-        serve.run(build_app(old_cfg, rule_fn=old_rule_fn), name=name, route_prefix=route_prefix)
+        serve.run(build_app(old_cfg, rule_fn=old_rule_fn, resources=_RESOURCES.get(name)), name=name,
+                  route_prefix=route_prefix)
         _DEPLOYED[name] = (old_cfg, old_rule_fn)
         return SwapReport(False, old_cfg.version, vcfg.version, serving_info(name)["version"],
                           time.perf_counter() - t0, error, rolled_back=True)
