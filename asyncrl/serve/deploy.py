@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from asyncrl.config import Config, VerifierConfig
+from asyncrl.logs import serve_logging_config
 from asyncrl.serve.app import APP_NAME, build_app
 
 logger = logging.getLogger("asyncrl.serve")
@@ -77,7 +78,7 @@ def start_serve(cfg: VerifierConfig) -> None:
     cluster has one Serve proxy: if Serve already runs, its host/port stay (Serve logs a warning)."""
     from ray import serve
 
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config=serve_logging_config())
 
 
 def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route_prefix: str = "/",
@@ -88,7 +89,8 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
 
     vcfg = resolve_port(_verifier_cfg(cfg))
     start_serve(vcfg)
-    handle = serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix)
+    handle = serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix,
+                       logging_config=serve_logging_config())
     _DEPLOYED[name] = (vcfg, rule_fn)
     logger.info("verifier %s (%s) serving at %s", vcfg.version, vcfg.backend, verifier_url(name))
     return handle
@@ -125,14 +127,16 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
         old_cfg = None
     t0 = time.perf_counter()
     try:
-        serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix)
+        serve.run(build_app(vcfg, rule_fn=rule_fn), name=name, route_prefix=route_prefix,
+                  logging_config=serve_logging_config())
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}" + _deployment_message(name)
         logger.error("verifier %s failed to start: %s", vcfg.version, error)
         if old_cfg is None:
             return SwapReport(False, None, vcfg.version, None, time.perf_counter() - t0, error)
         # Serve kept the old replicas; redeploy the old config so the app is healthy again.
-        serve.run(build_app(old_cfg, rule_fn=old_rule_fn), name=name, route_prefix=route_prefix)
+        serve.run(build_app(old_cfg, rule_fn=old_rule_fn), name=name, route_prefix=route_prefix,
+                  logging_config=serve_logging_config())
         _DEPLOYED[name] = (old_cfg, old_rule_fn)
         return SwapReport(False, old_cfg.version, vcfg.version, serving_info(name)["version"],
                           time.perf_counter() - t0, error, rolled_back=True)
