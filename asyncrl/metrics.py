@@ -88,8 +88,9 @@ def _json_default(value: Any) -> Any:
 
 
 def progress_every(max_steps: int, lines: int = 25) -> int:
-    """Steps between two progress lines when the console is not a terminal: about `lines` lines per
-    run (every step is in metrics.jsonl; a terminal gets a progress bar instead)."""
+    """Steps between two progress lines when the console is not a terminal (after the first 5 steps,
+    which are always shown): about `lines` lines per run. Every step is in metrics.jsonl; a terminal
+    gets a progress bar instead."""
     return max(1, max_steps // max(1, lines))
 
 

@@ -75,7 +75,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(format_console(self.step, cfg.trainer.max_steps, metrics).split(" | ", 1)[-1])
-            elif self.step % every == 0 or self.step in (1, cfg.trainer.max_steps):
+            elif self.step % every == 0 or self.step <= 5 or self.step == cfg.trainer.max_steps:
                 say(format_console(self.step, cfg.trainer.max_steps, metrics))
             self._publish_status(metrics)
             self.handle_commands()
