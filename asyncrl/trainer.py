@@ -65,6 +65,7 @@ class Trainer:
             bar = tqdm(total=cfg.trainer.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
                        file=console())
         every = progress_every(cfg.trainer.max_steps)
+        self._t_loop = time.time()  # the ETA counts training time only (not start-up or the first evaluation)
         rc = 0
         while self.step < cfg.trainer.max_steps and not self.stop.requested:
             metrics = self.train_one_step()
@@ -235,7 +236,8 @@ class Trainer:
 
         elapsed = time.time() - self.t_start
         steps_here = self.step - self._first_step
-        eta = elapsed / steps_here * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None
+        per_step = (time.time() - getattr(self, "_t_loop", self.t_start)) / max(steps_here, 1)
+        eta = per_step * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None
         actors = {}
         for aid in self.topo.actors:
             s = self._actor_stats.get(aid, {})
