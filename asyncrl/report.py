@@ -275,7 +275,7 @@ h3{font-size:14px;margin:14px 0 6px}.muted{color:#6a737d;font-weight:normal}.se{
 table.eval{border-collapse:collapse;font-size:14px}table.eval td,table.eval th{border:1px solid #d8dee4;padding:4px 10px;
 text-align:right}table.eval td:first-child{text-align:left}
 .plots{display:flex;flex-wrap:wrap;gap:10px}.plots figure{margin:0;background:#fff;border:1px solid #e1e4e8;padding:4px}
-.plots img{display:block;width:470px}
+.plots img{display:block;width:372px}
 .pair{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 .conv{background:#fff;border:1px solid #d8dee4;border-radius:6px;padding:8px;margin-bottom:8px}
 .conv.ok{border-left:4px solid #2da44e}.conv.bad{border-left:4px solid #cf222e}
@@ -335,7 +335,7 @@ def render(run_dir: str | Path) -> str:
 <title>asyncrl report: {_e(name)}</title><style>{CSS}</style><script>{HOOK}</script></head>
 <body>
 <h1>asyncrl run report: {_e(name)}</h1>
-<p class="muted">{_e(state)} · {_e(run_dir.resolve())} · generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>
+<p class="muted">{_e(state)} · {_e(run_dir)} · generated {time.strftime('%Y-%m-%d %H:%M:%S')}</p>
 <p>{_e('; '.join(facts))}</p>
 <h2 id="evaluation">Before / after training</h2>
 {eval_table(before, after)}
