@@ -77,7 +77,8 @@ def test_quiet_console_and_logs_report_status(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_verbose_restores_everything_on_the_console(tmp_path: Path) -> None:
-    proc = launch(tmp_path, "trainer.max_steps=1", "trainer.eval_before_after=false", verbose=True)
+    proc = launch(tmp_path, "trainer.max_steps=1", "trainer.eval_before_after=false", "cluster.startup_timeout_s=900",
+                  verbose=True)
     console = proc.stdout + proc.stderr
     assert proc.returncode == 0, console[-4000:]
     assert "CALL chat" in console and "(RolloutWorker" in console
