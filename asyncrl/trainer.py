@@ -231,7 +231,6 @@ class Trainer:
             "step": self.step, "max_steps": self.cfg.trainer.max_steps, "rollout_actors": sorted(self.topo.actors),
             "verifier_version": self.cfg.verifier.version, "run_dir": str(self.run_dir),
             "latest": {k: m[k] for k in keys if k in m}}
-        self.topo.coordinator.set_status.remote(status)
         from asyncrl.status import write_status
 
         elapsed = time.time() - self.t_start
@@ -244,8 +243,10 @@ class Trainer:
             actors[aid] = {"state": "running" if aid in self.loops else "stopped", "version": s.get("rollout/version"),
                            "tokens_per_s": s.get("rollout/tokens_per_s"),
                            "groups_in_flight": s.get("rollout/groups_in_flight")}
-        write_status(self.run_dir, {**status, "version": self.version, "elapsed_s": elapsed, "eta_s": eta,
-                                    "actors": actors, "pid": os.getpid()})
+        status.update({"version": self.version, "elapsed_s": elapsed, "eta_s": eta, "actors": actors,
+                       "pid": os.getpid(), "updated": time.time()})
+        self.topo.coordinator.set_status.remote(status)
+        write_status(self.run_dir, status)
 
     # ------------------------------------------------------------------ actors
     def _start_loop(self, actor_id: str) -> None:
