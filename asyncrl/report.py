@@ -275,7 +275,7 @@ h3{font-size:14px;margin:14px 0 6px}.muted{color:#6a737d;font-weight:normal}.se{
 table.eval{border-collapse:collapse;font-size:14px}table.eval td,table.eval th{border:1px solid #d8dee4;padding:4px 10px;
 text-align:right}table.eval td:first-child{text-align:left}
 .plots{display:flex;flex-wrap:wrap;gap:10px}.plots figure{margin:0;background:#fff;border:1px solid #e1e4e8;padding:4px}
-.plots img{display:block;width:372px}
+.plots img{display:block;width:360px}
 .pair{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 .conv{background:#fff;border:1px solid #d8dee4;border-radius:6px;padding:8px;margin-bottom:8px}
 .conv.ok{border-left:4px solid #2da44e}.conv.bad{border-left:4px solid #cf222e}
