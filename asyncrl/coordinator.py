@@ -27,7 +27,9 @@ class Coordinator:
                  reissue: list[int] | None = None):
         from asyncrl.config import DataConfig
         from asyncrl.data import PromptStream
+        from asyncrl.logs import redirect_output
 
+        redirect_output("coordinator")
         data_cfg = DataConfig.model_validate_json(data_cfg_json)
         self.stream = PromptStream(rows, seed=data_cfg.seed, shuffle=data_cfg.shuffle, cfg=data_cfg)
         if stream_state:

@@ -1,6 +1,6 @@
 """`python -m asyncrl.ctl COMMAND --run-dir runs/<experiment>`: act on a running job.
 
-Commands: `status`, `scale N`, `swap-verifier FILE.yaml`, `checkpoint`, `stop`.
+Commands: `status [--json] [--live]` (a table read from `<run-dir>/status.json`, no Ray), `scale N`, `swap-verifier FILE.yaml`, `checkpoint`, `stop`.
 The job is found through `<run-dir>/job.json` (Ray address + namespace, written by the launcher).
 Each command is queued on the job's coordinator; the driver executes it between learner steps and
 posts the result, which is printed here. Exit status: 0 done, 1 the job refused or failed it (the
@@ -24,7 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m asyncrl.ctl", description=__doc__, parents=[common],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", parents=[common], help="print the job's state and latest metrics")
+    st = sub.add_parser("status", parents=[common], help="print the job's state and latest metrics (a table)")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.add_argument("--live", action="store_true",
+                    help="ask the job's coordinator through Ray (default: read <run-dir>/status.json, instant)")
     s = sub.add_parser("scale", parents=[common], help="set the number of rollout actors")
     s.add_argument("n", type=int)
     w = sub.add_parser("swap-verifier", parents=[common],
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dir = getattr(args, "run_dir", None)
     args.timeout = getattr(args, "timeout", 600.0)
     run_dir = _find_run_dir(args.run_dir)
+    if args.command == "status" and not args.live:
+        return _status_from_file(run_dir, args.json)
     job_file = run_dir / "job.json"
     if not job_file.exists():
         print(f"error: {job_file} not found: is a job running in {run_dir}?", file=sys.stderr)
@@ -82,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot reach the job of {run_dir} ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
     if args.command == "status":
-        print(json.dumps(ray.get(coordinator.status.remote(), timeout=30), indent=2, default=str))
+        status = ray.get(coordinator.status.remote(), timeout=30)
+        if args.json:
+            print(json.dumps(status, indent=2, default=str))
+        else:
+            from asyncrl.status import format_status
+
+            print(format_status(status))
         return 0
     cid = ray.get(coordinator.submit.remote(args.command, cmd_args), timeout=30)
     deadline = time.time() + args.timeout
@@ -94,6 +105,23 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.5)
     print(f"error: the job did not act on '{args.command}' within {args.timeout:.0f}s", file=sys.stderr)
     return 1
+
+
+def _status_from_file(run_dir: Path, as_json: bool) -> int:
+    """`status` from the file the job rewrites every step (no Ray: answers at once)."""
+    from asyncrl.status import STATUS_FILE, format_status, read_status
+
+    status = read_status(run_dir)
+    if status is None:
+        print(f"error: {run_dir / STATUS_FILE} not found: no step finished yet in {run_dir} "
+              "(or not a run directory); `status --live` asks the job itself", file=sys.stderr)
+        return 2
+    running = (run_dir / "job.json").exists()
+    if as_json:
+        print(json.dumps({**status, "running": running}, indent=2, default=str))
+    else:
+        print(format_status(status, running=running))
+    return 0
 
 
 if __name__ == "__main__":

@@ -164,11 +164,28 @@ def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode
     return out
 
 
+def transcript(conv: Any, row: dict) -> dict:
+    """One finished evaluation conversation for a person to read (samples/eval_*.json, the report):
+    every policy turn with the verifier's raw reply (`[SCORE]`, `###STOP###` as it wrote them), the
+    parsed score and stop flag, the user turn shown next; the final answer and whether it is right."""
+    final = _boxed(conv.final_text)
+    return {
+        "id": str(row.get("id", conv.uid)), "problem": conv.problem, "answer": str(row["answer"]),
+        "final_answer": final, "correct": (final or "").strip() == str(row["answer"]).strip(),
+        "finish_reason": str(conv.finish_reason), "num_turns": conv.num_turns,
+        "turns": [{"policy": t.text, "verifier": t.verifier_text,
+                   "score": t.reply.hallucination if t.reply is not None else None,
+                   "stop": bool(t.reply is not None and t.reply.kind == "stop"), "user": t.user_content}
+                  for t in conv.turns],
+    }
+
+
 async def evaluate_async(generate: Callable[..., Any], tokenizer: Any, rows: Sequence[dict], mode: Mode, *,
                          task: str = "arith", max_turns: int = 4, max_prompt_length: int | None = 256,
-                         concurrency: int = 64) -> dict:
+                         concurrency: int = 64, keep_conversations: int = 0) -> dict:
     """Same numbers with an async `generate(prompt_ids, seed) -> (ids, logprobs, version, finish_reason)`
-    (the caller binds greedy sampling and max_tokens), conversations run concurrently."""
+    (the caller binds greedy sampling and max_tokens), conversations run concurrently.
+    `keep_conversations`: the `transcript` of the first N rows under `conversations`."""
     from asyncrl.actors.guided import rule_verify, run_conversation
 
     convs = make_conversations(rows, tokenizer, mode, max_turns, max_prompt_length)
@@ -180,7 +197,10 @@ async def evaluate_async(generate: Callable[..., Any], tokenizer: Any, rows: Seq
             await run_conversation(c, generate, verify)
 
     await asyncio.gather(*(one(c) for c in convs))
-    return summarize(convs, rows, tokenizer, task, mode)
+    out = summarize(convs, rows, tokenizer, task, mode)
+    if keep_conversations > 0:
+        out["conversations"] = [transcript(c, r) for c, r in zip(convs[:keep_conversations], rows, strict=False)]
+    return out
 
 
 def build_llm(model_path: str, max_model_len: int = 1024, seed: int = 0) -> Any:

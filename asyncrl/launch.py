@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_args(parser)
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="every process's output on the console (default: asyncrl's lines only, the rest in "
+                             "<run_dir>/logs/; same as ASYNCRL_VERBOSE=1)")
     return parser
 
 
@@ -28,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    if args.verbose:
+        import os
+
+        from asyncrl.logs import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     from asyncrl.runtime import run  # heavy imports (ray, torch) start here
 
     return run(cfg)

@@ -87,6 +87,13 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def progress_every(max_steps: int, lines: int = 25) -> int:
+    """Steps between two progress lines when the console is not a terminal (after the first 5 steps,
+    which are always shown): about `lines` lines per run. Every step is in metrics.jsonl; a terminal
+    gets a progress bar instead."""
+    return max(1, max_steps // max(1, lines))
+
+
 def format_console(step: int, max_steps: int, m: dict[str, Any]) -> str:
     """One plain log line (used when stdout is not a terminal)."""
     parts = [f"step {step}/{max_steps}"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.logs import echo, quiet_console, verbose, worker_env
 
 
 class StartupError(RuntimeError):
@@ -36,7 +36,7 @@ class RepeatedFailure(StartupError):
 
 
 def say(message: str) -> None:
-    print(f"[asyncrl] {message}", flush=True)
+    echo(f"[asyncrl] {message}")
 
 
 @contextmanager
@@ -155,10 +155,12 @@ def ray_init(cfg: Config, namespace: str) -> None:
     from asyncrl.cluster import job_runtime_env
 
     env = job_runtime_env(cfg)
+    env["env_vars"].update(worker_env())  # role log files (asyncrl.logs); empty in verbose mode
     if cfg.cluster.ray_address:
         _check_reachable(cfg.cluster.ray_address)
         try:
-            ray.init(address=cfg.cluster.ray_address, namespace=namespace, runtime_env=env, logging_level="WARNING")
+            ray.init(address=cfg.cluster.ray_address, namespace=namespace, runtime_env=env, logging_level="WARNING",
+                     log_to_driver=verbose())
         except Exception as exc:
             hint = "" if os.environ.get("RAY_AUTH_MODE") else (
                 " (a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here)")
@@ -167,7 +169,8 @@ def ray_init(cfg: Config, namespace: str) -> None:
         num_cpus = cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2)
         # Embedded cluster: every Ray endpoint on loopback (token auth is Ray's default for new clusters).
         ray.init(address="local", num_cpus=num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=namespace,
-                 runtime_env=env, include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
+                 runtime_env=env, include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1",
+                 log_to_driver=verbose())  # quiet mode: the actors write to <run_dir>/logs/ (asyncrl.logs)
 
 
 def preflight(cfg: Config) -> None:
@@ -357,9 +360,18 @@ class StopFlag:
 
 
 def run(cfg: Config) -> int:
+    """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files)."""
+    run_dir = prepare_run_dir(cfg)
+    with quiet_console(run_dir) as logs_dir:
+        if logs_dir is not None:
+            say(f"logs: {logs_dir}/ (driver, buffer, verifier, rollout-N, learner-N; serve/: one line per "
+                "verifier request); --verbose or ASYNCRL_VERBOSE=1 shows them here")
+        return _run_job(cfg, run_dir)
+
+
+def _run_job(cfg: Config, run_dir: Path) -> int:
     import ray
 
-    run_dir = prepare_run_dir(cfg)
     stop = StopFlag()
     namespace = f"asyncrl-{cfg.trainer.experiment_name}-{os.getpid()}"
     topo = None
@@ -384,7 +396,7 @@ def run(cfg: Config) -> int:
         finally:
             trainer.close()  # before the topology goes: nothing of the run is left to the GC
     except StartupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        echo(f"error: {exc}", err=True)
         return 1
     finally:
         if topo is not None:

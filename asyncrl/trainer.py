@@ -11,6 +11,7 @@ for the learner: it is paced only by the buffer's admission tickets (staleness b
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -19,7 +20,8 @@ from typing import Any
 
 from asyncrl.config import Config, VerifierConfig
 from asyncrl.eval import accuracy_se
-from asyncrl.metrics import MetricLogger, format_console, save_plots
+from asyncrl.logs import console, echo
+from asyncrl.metrics import MetricLogger, format_console, progress_every, save_plots
 from asyncrl.runtime import StopFlag, Topology, enrol, say, start_actors, sync_weights, withdraw
 
 EVAL_KEYS = ("guided_accuracy", "solver_accuracy", "mean_turns", "mean_policy_tokens", "mean_verifier_tokens",
@@ -47,6 +49,7 @@ class Trainer:
         self.buffer_client = BufferClient(topo.buffer_address, curve, actor_id="learner")
         self.t_start = time.time()
         self._failures: dict[str, tuple[str, int]] = {}  # actor -> (error signature, times in a row)
+        self._first_step = self.step  # steps of this process (a resumed run starts later): for the ETA
         self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
 
     # ------------------------------------------------------------------ main
@@ -58,12 +61,15 @@ class Trainer:
             self.summary["before"] = self.evaluate("test", tag="before")
         for actor_id in self.topo.actors:
             self._start_loop(actor_id)
-        tty = sys.stdout.isatty()
+        tty = console().isatty()
         bar = None
         if tty:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.trainer.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
+            bar = tqdm(total=cfg.trainer.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                       file=console())
+        every = progress_every(cfg.trainer.max_steps)
+        self._t_loop = time.time()  # the ETA counts training time only (not start-up or the first evaluation)
         rc = 0
         while self.step < cfg.trainer.max_steps and not self.stop.requested:
             metrics = self.train_one_step()
@@ -75,7 +81,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(format_console(self.step, cfg.trainer.max_steps, metrics).split(" | ", 1)[-1])
-            else:
+            elif self.step % every == 0 or self.step <= 5 or self.step == cfg.trainer.max_steps:
                 say(format_console(self.step, cfg.trainer.max_steps, metrics))
             self._publish_status(metrics)
             self.handle_commands()
@@ -109,12 +115,14 @@ class Trainer:
     def dump_samples(self, tag: str) -> None:
         """A few decoded trajectories of the latest trained batch, for a person to read."""
         out = []
-        for g in self._last_groups:
+        lags = getattr(self, "_last_lags", [None] * len(self._last_groups))
+        for g, lag in zip(self._last_groups, lags, strict=False):
             for smp in g.samples:
                 meta = smp.metadata
                 out.append({"prompt_uid": smp.prompt_uid, "reward": smp.reward, "reward_parts": smp.reward_parts,
                             "num_turns": smp.num_turns, "finish_reason": smp.finish_reason,
                             "verifier_version": smp.verifier_version, "min_version": g.min_version,
+                            "version_lag": lag, "turn_versions": meta.get("turn_versions"),
                             "hallucination_scores": meta.get("hallucination_scores"),
                             "messages": meta.get("messages"), "verifier_texts": meta.get("verifier_texts")})
                 if len(out) >= self.cfg.trainer.samples_per_eval:
@@ -136,6 +144,7 @@ class Trainer:
         self._last_groups = groups
         # (a partial batch only happens while stopping: it is trained rather than lost)
         lags = [self.version - g.min_version for g in groups]
+        self._last_lags = lags
         learner_metrics = topo.learner.step(groups)
         t1 = time.time()
         self.version = int(learner_metrics.get("train/version", self.version + 1))
@@ -201,6 +210,7 @@ class Trainer:
                 per_actor[aid] = ray.get(ref, timeout=30)
             except Exception:  # noqa: BLE001 - a dead actor is healed after the step; skip its stats
                 continue
+        self._actor_stats = per_actor  # for status.json
         if not per_actor:
             return {}
         out: dict[str, Any] = {}
@@ -215,15 +225,36 @@ class Trainer:
         out["perf/rollout_idle_ratio"] = out.get("rollout/idle_ratio", 0.0)
         return out
 
+    _actor_stats: dict[str, Any] = {}
+
     def _publish_status(self, m: dict[str, Any]) -> None:
-        """What `asyncrl.ctl status` prints."""
+        """What `asyncrl.ctl status` prints: held by the coordinator (`--live`) and written to
+        `<run_dir>/status.json` (asyncrl.status), which ctl reads without joining Ray."""
         keys = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "rollout/turns_mean", "perf/step_s",
                 "perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio", "buffer/size_groups",
-                "buffer/staleness_mean", "perf/weight_sync_s", "verifier/version")
-        self.topo.coordinator.set_status.remote({
+                "buffer/staleness_mean", "perf/weight_sync_s", "verifier/version",
+                "buffer/in_flight", "buffer/admission_used", "buffer/admission_limit", "buffer/staleness_max",
+                "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
+        status = {
             "step": self.step, "max_steps": self.cfg.trainer.max_steps, "rollout_actors": sorted(self.topo.actors),
             "verifier_version": self.cfg.verifier.version, "run_dir": str(self.run_dir),
-            "latest": {k: m[k] for k in keys if k in m}})
+            "latest": {k: m[k] for k in keys if k in m}}
+        from asyncrl.status import write_status
+
+        elapsed = time.time() - self.t_start
+        steps_here = self.step - self._first_step
+        per_step = (time.time() - getattr(self, "_t_loop", self.t_start)) / max(steps_here, 1)
+        eta = per_step * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None
+        actors = {}
+        for aid in self.topo.actors:
+            s = self._actor_stats.get(aid, {})
+            actors[aid] = {"state": "running" if aid in self.loops else "stopped", "version": s.get("rollout/version"),
+                           "tokens_per_s": s.get("rollout/tokens_per_s"),
+                           "groups_in_flight": s.get("rollout/groups_in_flight")}
+        status.update({"version": self.version, "elapsed_s": elapsed, "eta_s": eta, "actors": actors,
+                       "pid": os.getpid(), "updated": time.time()})
+        self.topo.coordinator.set_status.remote(status)
+        write_status(self.run_dir, status)
 
     # ------------------------------------------------------------------ actors
     def _start_loop(self, actor_id: str) -> None:
@@ -384,7 +415,10 @@ class Trainer:
         actors = list(self.topo.actors.values())
         t0 = time.time()
         shards = [rows[i:: len(actors)] for i in range(len(actors))]
-        parts = ray.get([a.evaluate.remote(s, "both") for a, s in zip(actors, shards) if s])
+        keep = -(-self.cfg.trainer.samples_per_eval // max(1, len(actors)))  # per shard, for the report's viewer
+        parts = ray.get([a.evaluate.remote(s, "both", keep) for a, s in zip(actors, shards) if s])
+        conversations = {m: sorted((c for p in parts for c in p[m].pop("conversations", [])), key=_row_order)
+                         for m in parts[0] if isinstance(parts[0][m], dict)}
         if "service" in parts[0]:
             result = _merge_eval([p["service"] for p in parts])
         else:
@@ -392,8 +426,11 @@ class Trainer:
         result["seconds"] = time.time() - t0
         result["version"] = self.version
         result["rows"] = len(rows)
+        if any(conversations.values()):
+            result["conversations"] = conversations
         (self.run_dir / "samples").mkdir(exist_ok=True)
         (self.run_dir / "samples" / f"eval_{tag}.json").write_text(json.dumps(result, indent=2, default=str))
+        result.pop("conversations", None)  # in the eval file (and the report), not in summary.json
         say(f"eval {tag} (v{self.version}, {len(rows)} rows, {result['seconds']:.0f}s): "
             + ", ".join(f"{k} {result[k]:.3f}" for k in EVAL_KEYS if isinstance(result.get(k), float)))
         return result
@@ -422,6 +459,12 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - plots are a convenience; never fail the run for them
             say(f"plots not written: {exc}")
         print_summary(self.summary)
+        try:
+            from asyncrl.report import write_report
+
+            say(f"report: {write_report(self.run_dir)} (open it in a browser; logs in {self.run_dir / 'logs'})")
+        except Exception as exc:  # noqa: BLE001 - the report is a convenience; never fail the run for it
+            say(f"report not written: {type(exc).__name__}: {exc}")
 
 
 def _batch_metrics(groups: list[Any], lags: list[int], max_staleness: int) -> dict[str, Any]:
@@ -448,6 +491,12 @@ def _batch_metrics(groups: list[Any], lags: list[int], max_staleness: int) -> di
     out["verifier/versions_in_batch"] = ",".join(versions)
     out["train/prompt_indices"] = sorted(int(g.metadata.get("prompt_index", -1)) for g in groups)
     return out
+
+
+def _row_order(conv: dict[str, Any]) -> tuple[int, str]:
+    """Evaluation transcripts in row-id order (numeric ids numerically), so before/after line up."""
+    rid = str(conv.get("id", ""))
+    return (int(rid), "") if rid.isdigit() else (1 << 62, rid)
 
 
 def _merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -509,4 +558,4 @@ def print_summary(summary: dict[str, Any]) -> None:
         lines.append("staleness of trained groups (lag: count): "
                      + ", ".join(f"{i}: {c}" for i, c in enumerate(summary["staleness_hist"])))
     lines.append("=" * 64)
-    print("\n".join(lines), flush=True)
+    echo("\n".join(lines))

@@ -14,6 +14,14 @@ PY=${PYTHON:-python3}
 STAMP="$VENV/.asyncrl-install-stamp"
 HASH=$(cat pyproject.toml requirements/*.txt scripts/install.sh | sha256sum | cut -d' ' -f1)
 
+# Headless chromium for the report's browser test (tests/integration/test_report_browser.py): Debian's
+# package, as root where apt exists; skipped at once when present, never fails the install.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+    echo "[install] chromium (apt-get; for the report's browser test)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+        || echo "[install] chromium not installed (apt-get failed); the browser test will be skipped"
+fi
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
     echo "[install] up to date ($VENV)"; exit 0
 fi

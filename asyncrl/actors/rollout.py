@@ -36,6 +36,9 @@ class RolloutWorker:
     """The actor's logic as a plain class (wrapped by `make_rollout_actor_class` for Ray)."""
 
     def __init__(self, cfg_json: str, actor_id: str, buffer_address: str, namespace: str):
+        from asyncrl.logs import redirect_output
+
+        redirect_output(actor_id)  # vLLM and its engine processes write to <run_dir>/logs/<actor_id>.log
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.cfg = Config.model_validate_json(cfg_json)
         self.actor_id = actor_id
@@ -277,10 +280,11 @@ class RolloutWorker:
         return self.engine.version if self.engine is not None else -1
 
     # ---------------------------------------------------------------- evaluation and stats
-    async def evaluate(self, rows: list[dict[str, Any]], mode: str = "both") -> dict[str, Any]:
+    async def evaluate(self, rows: list[dict[str, Any]], mode: str = "both", keep_conversations: int = 0) -> dict[str, Any]:
         """Greedy evaluation with this actor's engine (current weights). With the rule back-end this
         is exactly `python -m asyncrl.eval` (asyncrl.eval.evaluate_async); otherwise the guided
-        protocol runs against the verifier service. Returns per-mode summaries (mergeable by `n`)."""
+        protocol runs against the verifier service. Returns per-mode summaries (mergeable by `n`);
+        rule back-end: each with the transcripts of its first `keep_conversations` rows."""
         if self.vl is not None:  # VL: the guided protocol with VL prompts (evaluate_async is text-only)
             from asyncrl.actors.group import evaluate_rows
             from asyncrl.data import make_item
@@ -300,7 +304,8 @@ class RolloutWorker:
                 t0 = time.time()
                 out[m] = await evaluate_async(generate, self.tokenizer, rows, m, task=self.cfg.verifier.task,
                                               max_turns=self.cfg.rollout.guide.max_turns,
-                                              max_prompt_length=self.cfg.data.max_prompt_length)
+                                              max_prompt_length=self.cfg.data.max_prompt_length,
+                                              keep_conversations=keep_conversations)
                 out[m]["wall_s"] = time.time() - t0
             return out
         from asyncrl.actors.group import evaluate_rows

@@ -36,6 +36,9 @@ class LearnerActor:
     """Ray actor body: holds one `LearnerWorker` (built by `setup`, rebuildable with a new config)."""
 
     def __init__(self) -> None:
+        from asyncrl.logs import redirect_output
+
+        redirect_output(f"learner-{os.environ.get('RANK', '0')}")  # DeepSpeed/torch output to <run_dir>/logs/
         self.worker: Any = None
         self.sender: Any = None
 

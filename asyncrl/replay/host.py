@@ -15,7 +15,10 @@ from asyncrl.config import BufferConfig
 @ray.remote(num_cpus=0)
 class BufferHost:
     def __init__(self, cfg_json: str, batch_size: int, port_range: str | None = None):
+        from asyncrl.logs import redirect_output
         from asyncrl.replay.server import ReplayBufferServer
+
+        redirect_output("buffer")
 
         self.server = ReplayBufferServer(BufferConfig.model_validate_json(cfg_json), batch_size, port_range)
 

@@ -70,6 +70,9 @@ class VerifierReplica:
     backend = "base"
 
     def __init__(self, cfg: dict[str, Any]):
+        from asyncrl.logs import redirect_output
+
+        redirect_output("verifier")  # a job's replicas write to <run_dir>/logs/ (no-op elsewhere)
         self.cfg = VerifierConfig.model_validate(cfg)
         self.version = self.cfg.version
         self._api_key = resolve_secret(self.cfg.api_key) if self.cfg.api_key else ""

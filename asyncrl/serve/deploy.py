@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncrl.addresses import WILDCARDS, bind_and_advertise, free_port, is_loopback
 from asyncrl.config import Config, VerifierConfig
+from asyncrl.logs import serve_logging_config
 from asyncrl.serve.app import APP_NAME, build_app
 
 logger = logging.getLogger("asyncrl.serve")
@@ -100,7 +101,8 @@ def start_serve(cfg: VerifierConfig) -> VerifierConfig:
     from ray import serve
 
     bind, advertise, location = ingress_hosts(cfg)
-    serve.start(http_options={"host": bind, "port": cfg.port}, **({"proxy_location": location} if location else {}))
+    serve.start(http_options={"host": bind, "port": cfg.port}, logging_config=serve_logging_config(),
+                **({"proxy_location": location} if location else {}))
     return cfg.model_copy(update={"host": advertise})
 
 
@@ -115,7 +117,7 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
         _RESOURCES[name] = cfg.cluster.resources["verifier"]
     vcfg = start_serve(resolve_port(_verifier_cfg(cfg), port_range))
     handle = serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
-                       route_prefix=route_prefix)
+                       route_prefix=route_prefix, logging_config=serve_logging_config())
     _DEPLOYED[name] = (vcfg, rule_fn)
     logger.info("verifier %s (%s) serving at %s", vcfg.version, vcfg.backend, verifier_url(name))
     return handle
@@ -153,7 +155,7 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
     t0 = time.perf_counter()
     try:
         serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
-                  route_prefix=route_prefix)
+                  route_prefix=route_prefix, logging_config=serve_logging_config())
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}" + _deployment_message(name)
         logger.error("verifier %s failed to start: %s", vcfg.version, error)
@@ -161,7 +163,7 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
             return SwapReport(False, None, vcfg.version, None, time.perf_counter() - t0, error)
         # Serve kept the old replicas; redeploy the old config so the app is healthy again.
         serve.run(build_app(old_cfg, rule_fn=old_rule_fn, resources=_RESOURCES.get(name)), name=name,
-                  route_prefix=route_prefix)
+                  route_prefix=route_prefix, logging_config=serve_logging_config())
         _DEPLOYED[name] = (old_cfg, old_rule_fn)
         return SwapReport(False, old_cfg.version, vcfg.version, serving_info(name)["version"],
                           time.perf_counter() - t0, error, rolled_back=True)

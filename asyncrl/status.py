@@ -1,0 +1,90 @@
+"""The live state of a job as a file: `<run_dir>/status.json`, rewritten atomically after every
+learner step by the driver, read by `python -m asyncrl.ctl status` without joining the Ray cluster
+(so it answers in well under a second, also while the job is busy or its cluster is slow).
+
+Contract: the file is always a complete JSON object (written to a temporary file, then renamed);
+`updated` is its wall-clock time, so a reader can tell a stale file (a job that died) from a live one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+STATUS_FILE = "status.json"
+
+
+def write_status(run_dir: str | Path, status: dict[str, Any]) -> Path:
+    path = Path(run_dir) / STATUS_FILE
+    tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**status, "updated": time.time()}, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def read_status(run_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / STATUS_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and spec:
+        return format(value, spec)
+    return str(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def format_status(status: dict[str, Any], *, now: float | None = None, running: bool = True) -> str:
+    """A readable table of `status` (the dict `write_status` wrote or the coordinator holds)."""
+    now = time.time() if now is None else now
+    latest = status.get("latest", {})
+    age = now - status["updated"] if "updated" in status else None
+    state = "running" if running else "not running (no job.json)"
+    lines = [f"job      {status.get('run_dir', '-')}  [{state}; status {_duration(age)} old]",
+             f"step     {status.get('step')}/{status.get('max_steps')}   policy version v{status.get('version', '-')}"
+             f"   elapsed {_duration(status.get('elapsed_s'))}   ETA {_duration(status.get('eta_s'))}"]
+    rows = [
+        ("reward (rollout / trained)", f"{_fmt(latest.get('rollout/reward_mean'), '.3f')} / "
+                                       f"{_fmt(latest.get('train/reward_mean'), '.3f')}"),
+        ("accuracy (trained batch)", _fmt(latest.get("reward/accuracy"), ".3f")),
+        ("turns per sample", _fmt(latest.get("rollout/turns_mean"), ".2f")),
+        ("tokens/s (trained / rollout)", f"{_fmt(latest.get('perf/tokens_per_s'), '.0f')} / "
+                                         f"{_fmt(latest.get('rollout/tokens_per_s'), '.0f')}"),
+        ("step time", _fmt(latest.get("perf/step_s"), ".2f") + " s"),
+        ("idle (learner / rollout)", f"{_fmt(latest.get('perf/learner_idle_ratio'), '.2f')} / "
+                                     f"{_fmt(latest.get('perf/rollout_idle_ratio'), '.2f')}"),
+        ("buffer", f"{_fmt(latest.get('buffer/size_groups'))} group(s) queued, "
+                   f"{_fmt(latest.get('buffer/in_flight'))} in flight, admission "
+                   f"{_fmt(latest.get('buffer/admission_used'))}/{_fmt(latest.get('buffer/admission_limit'))}"),
+        ("staleness (mean / max)", f"{_fmt(latest.get('buffer/staleness_mean'), '.2f')} / "
+                                   f"{_fmt(latest.get('buffer/staleness_max'))}"),
+        ("verifier", f"{status.get('verifier_version', '-')}   latency p50 "
+                     f"{_fmt(latest.get('verifier/latency_ms_p50'), '.1f')} ms, p95 "
+                     f"{_fmt(latest.get('verifier/latency_ms_p95'), '.1f')} ms, errors "
+                     f"{_fmt(latest.get('verifier/error_rate'), '.3f')}"),
+        ("weight sync", _fmt(latest.get("perf/weight_sync_s"), ".2f") + " s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    actors = status.get("actors") or {a: {} for a in status.get("rollout_actors", [])}
+    if actors:
+        lines.append(f"  {'actor':<12}{'state':<10}{'weights':>8}{'tok/s':>8}{'groups in flight':>18}")
+        for aid, a in sorted(actors.items()):
+            lines.append(f"  {aid:<12}{a.get('state', '-'):<10}{_fmt(a.get('version')):>8}"
+                         f"{_fmt(a.get('tokens_per_s'), '.0f'):>8}{_fmt(a.get('groups_in_flight')):>18}")
+    return "\n".join(lines)
