@@ -316,6 +316,21 @@ class DynamicSamplingConfig(Section):
     """... and mean < high."""
 
 
+class DurableConfig(Section):
+    enable: bool = True
+    """Append every acknowledged change (stored groups, tickets, counters) to a log on the buffer
+    host's local disk before acknowledging it, so a restarted buffer process loses nothing."""
+    fsync: Literal["always", "interval", "never"] = "always"
+    """`always`: fsync before each acknowledgement (also survives a host crash); `interval`: at most
+    every `fsync_interval_s`; `never`: leave it to the OS. Every policy survives a process death."""
+    fsync_interval_s: float = Field(1.0, gt=0)
+    """fsync period for `fsync: interval`."""
+    compact_min_mb: float = Field(64.0, gt=0)
+    """The log is rewritten with only the live groups once it exceeds max(this, 2 x buffered MiB)."""
+    restored_lease_s: float = Field(300.0, gt=0)
+    """After a restart, tickets leased before the death stay leased at most this long."""
+
+
 class BufferConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """Learner versions a group may lag behind (v - min_version); higher = more throughput, more
@@ -339,6 +354,10 @@ class BufferConfig(Section):
     """CurveZMQ security."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """DAPO group filter at ingest."""
+    durable: DurableConfig = Field(default_factory=DurableConfig)
+    """Durable log of acknowledged groups (survives the buffer process's death)."""
+    max_restarts: int = Field(3, ge=-1)
+    """Times Ray restarts a dead buffer process (same address, state from the durable log); -1 = always."""
 
 
 # ------------------------------------------------------------------------------------------ learner
