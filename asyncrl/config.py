@@ -354,10 +354,11 @@ class BufferConfig(Section):
     """CurveZMQ security."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """DAPO group filter at ingest."""
+    reissue_stale: bool = True
+    """Issue the prompt of a group dropped by the staleness bound again (`buffer/reissued_stale`), so
+    long rollouts, which age out first, are not skipped for the epoch."""
     durable: DurableConfig = Field(default_factory=DurableConfig)
     """Durable log of acknowledged groups (survives the buffer process's death)."""
-    max_restarts: int = Field(3, ge=-1)
-    """Times Ray restarts a dead buffer process (same address, state from the durable log); -1 = always."""
 
 
 # ------------------------------------------------------------------------------------------ learner
@@ -497,6 +498,9 @@ class ClusterConfig(Section):
     """Ray namespace of the job's named actors."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Longest wait for any component to start before failing with its name."""
+    max_restarts: int = Field(3, ge=-1)
+    """Times Ray restarts a dead buffer host or coordinator in the running job (each resumes its
+    state from disk: buffer.durable log, coordinator state); -1 = without limit."""
 
 
 # ------------------------------------------------------------------------------------------ trainer

@@ -43,6 +43,13 @@ class Trainer:
         from asyncrl.replay import BufferClient
 
         self.buffer_client = BufferClient(topo.buffer_address, actor_id="learner")
+        self._trained_recent: dict[int, None] = {}  # prompt indices trained lately (ordered set)
+        self._seen = {"buffer/restarts": 0, "coordinator/restarts": 0}
+        self._lengths: dict[str, list[float]] = {"dropped": [], "trained": []}
+        self._reissued_stale = 0
+        self.duplicates_dropped = 0
+        if resume is not None:
+            self._mark_resume(resume)
         self.t_start = time.time()
         self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
 
@@ -138,7 +145,12 @@ class Trainer:
         self.heal_actors()  # a dead engine found now is withdrawn before the broadcast waits for it
         sync = sync_weights(topo)
         t2 = time.time()
-        ray.get(topo.coordinator.set_version.remote(self.version))
+        trained = [int(g.metadata.get("prompt_index", -1)) for g in groups]
+        for index in trained:
+            self._trained_recent[index] = None
+        while len(self._trained_recent) > 8192:
+            self._trained_recent.pop(next(iter(self._trained_recent)))
+        coord = ray.get(topo.coordinator.set_version.remote(self.version, [i for i in trained if i >= 0]))
         wait_s = t_batch - t0
         step_s = t2 - t0
         tokens = int(sum(int(s.response_mask.sum()) for g in groups for s in g.samples))
@@ -148,6 +160,8 @@ class Trainer:
         self.totals["trained_tokens"] += tokens
         metrics = dict(learner_metrics)
         metrics.update(ray.get(topo.buffer.stats.remote()))
+        metrics.update(self._recovery_checks(metrics, coord or {}))
+        metrics.update(self._length_metrics(groups))
         metrics.update(self._rollout_stats())
         metrics.update(_batch_metrics(groups, lags, cfg.buffer.max_staleness))
         report = sync.get("report") or {}
@@ -176,7 +190,10 @@ class Trainer:
             left = deadline - time.time()
             if left <= 0 or self.stop.requested:
                 break
-            groups += self.buffer_client.get_batch(num_groups - len(groups), self.version, timeout_s=min(left, 30.0))
+            got = self.buffer_client.get_batch(num_groups - len(groups), self.version, timeout_s=min(left, 30.0))
+            fresh = [g for g in got if int(g.metadata.get("prompt_index", -1)) not in self._trained_recent]
+            self.duplicates_dropped += len(got) - len(fresh)  # re-delivered across a buffer restart
+            groups += fresh
             if len(groups) < num_groups:
                 self.heal_actors()
         if len(groups) < num_groups and not self.stop.requested:
@@ -252,6 +269,9 @@ class Trainer:
             except Exception as exc:  # noqa: BLE001 - actor death is expected here; we heal it
                 say(f"{aid} died ({type(exc).__name__}); re-issuing its prompts and restarting it")
             lost = ray.get(self.topo.coordinator.abandon_actor.remote(aid))
+            released = ray.get(self.topo.buffer.release_actor.remote(aid))  # its admission tickets
+            if released:
+                say(f"  released {released} admission ticket(s) held by {aid}")
             self.loops.pop(aid)
             try:
                 report = ray.get(self.topo.actors[aid].start.remote(), timeout=self.cfg.cluster.startup_timeout_s)
@@ -265,6 +285,102 @@ class Trainer:
         if changed:
             live = [a for a in self.loops if a in self.topo.actors]
             enrol(self.topo, live, remove_first=True)
+
+    # ------------------------------------------------------------------ faults
+    def _mark_resume(self, resume: Path) -> None:
+        """A `resumed_from` row in metrics.jsonl: the steps after the checkpoint's are trained again
+        (readers keep, for each step, the row after the newest marker: asyncrl.metrics.effective_rows)."""
+        path = self.run_dir / "metrics.jsonl"
+        last = 0
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    last = max(last, int(json.loads(line).get("step", 0)))
+                except (ValueError, AttributeError):
+                    continue
+        row = {"step": self.step, "time": time.time(), "resumed_from": str(resume),
+               "rolled_back_steps": max(0, last - self.step)}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if last > self.step:
+            say(f"resumed from {resume} (step {self.step}): steps {self.step + 1}..{last} are trained again")
+
+    def _recovery_checks(self, m: dict[str, Any], coord: dict[str, Any]) -> dict[str, Any]:
+        """Announces a restarted buffer host / coordinator once, re-issues the prompts whose groups
+        died with the buffer (none when its durable log is on) and those of stale-dropped groups."""
+        import ray
+
+        topo = self.topo
+        restarts = int(m.get("buffer/restarts", 0))
+        if restarts > self._seen["buffer/restarts"]:
+            self._seen["buffer/restarts"] = restarts
+            lost = ray.get(topo.coordinator.reissue_lost.remote(ray.get(topo.buffer.prompt_indices.remote())))
+            say(f"the replay buffer (BufferHost) on {topo.hosts.get('buffer', '?')} died and was restarted by Ray "
+                f"at {topo.buffer_address} (restart {restarts}): recovering; "
+                f"{int(m.get('buffer/recovered_groups', 0))} group(s) recovered from its durable log, "
+                f"{len(lost)} prompt(s) re-issued; rollout actors and the learner reconnected by themselves")
+        c_restarts = int(coord.get("restarts", 0))
+        if c_restarts > self._seen["coordinator/restarts"]:
+            self._seen["coordinator/restarts"] = c_restarts
+            say(f"the coordinator on {topo.hosts.get('coordinator', '?')} died and was restarted by Ray "
+                f"(restart {c_restarts}): recovering; cursor and in-flight prompts restored from its state file")
+        out: dict[str, Any] = {f"coordinator/{k}": float(v) for k, v in coord.items()}
+        dropped = ray.get(topo.buffer.take_dropped.remote())
+        if dropped and self.cfg.buffer.reissue_stale:
+            self._reissued_stale += ray.get(topo.coordinator.reissue.remote([i for i, _ in dropped], "stale"))
+        self._lengths["dropped"] += [float(n) for _, n in dropped]
+        out["buffer/reissued_stale"] = float(self._reissued_stale)
+        out["train/duplicates_dropped"] = float(self.duplicates_dropped)
+        return out
+
+    def _length_metrics(self, groups: list[Any]) -> dict[str, Any]:
+        """Length (mean policy tokens per sample) of trained vs stale-dropped groups, over the run:
+        a drop policy that favours short prompts shows up as dropped lengths above trained ones."""
+        import numpy as np
+
+        for g in groups:
+            n = len(g.samples) or 1
+            self._lengths["trained"].append(sum(float(np.asarray(s.response_mask).sum()) for s in g.samples) / n)
+        out: dict[str, Any] = {}
+        for kind, prefix in (("trained", "train/group_len"), ("dropped", "buffer/dropped_len")):
+            values = self._lengths[kind][-20000:]
+            self._lengths[kind] = values
+            if values:
+                out[f"{prefix}_mean"] = float(np.mean(values))
+                out[f"{prefix}_p50"], out[f"{prefix}_p90"] = (float(q) for q in np.percentile(values, [50, 90]))
+            out[f"{prefix}_count"] = float(len(values))
+        return out
+
+    def on_failure(self, exc: BaseException) -> int:
+        """A component died and the job cannot go on: one line naming it, its host and what happens,
+        the traceback to `error.log`, then a checkpoint of everything still alive. Returns the exit
+        status (3: restart with trainer.resume=auto)."""
+        import traceback
+
+        from asyncrl.runtime import describe_failure
+
+        component, host, reason = describe_failure(self.topo, exc)
+        log = self.run_dir / "error.log"
+        log.write_text("".join(traceback.format_exception(exc)))
+        learner_alive = not component.startswith("learner")
+        plan = ("writing a checkpoint of the learner, buffer and cursor" if learner_alive else
+                "the learner's state is gone: the newest checkpoint is what a resume starts from")
+        say(f"{component} on {host} died ({reason}); stopping at step {self.step}: {plan}, then exiting "
+            f"with status 3 (restart with trainer.resume=auto). Traceback: {log}")
+        if learner_alive:
+            try:
+                self.checkpoint(emergency=True)
+            except Exception as exc2:  # noqa: BLE001 - already failing; say what could not be written
+                say(f"the emergency checkpoint could not be written: {type(exc2).__name__}: {exc2}")
+        from asyncrl.learner.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(self.run_dir / "checkpoints")
+        say(f"newest checkpoint: {newest if newest else 'none (a resume starts from scratch)'}")
+        try:
+            self.logger.close()
+        except Exception:  # noqa: BLE001
+            pass
+        return 3
 
     # ------------------------------------------------------------------ ctl commands
     def handle_commands(self) -> None:
@@ -319,17 +435,36 @@ class Trainer:
         return {"ok": True, "message": f"stopping after step {self.step}"}
 
     # ------------------------------------------------------------------ checkpoints and evaluation
-    def checkpoint(self) -> Path:
+    def checkpoint(self, emergency: bool = False) -> Path:
         """Learner state + buffer snapshot + data cursor, written atomically by the learner's
-        checkpoint writer (the buffer and cursor go into its staging directory first)."""
+        checkpoint writer (the buffer and cursor go into its staging directory first). `emergency`
+        (the error path): a dead buffer or coordinator is skipped (its prompts re-issued on resume)."""
         import ray
 
         topo = self.topo
 
         def extra(staging: Path) -> None:
             (staging / "buffer").mkdir(exist_ok=True)
-            ray.get(topo.buffer.snapshot.remote(str((staging / "buffer" / "groups.snapshot").resolve())))
-            cursor = ray.get(topo.coordinator.cursor_state.remote())
+            # The snapshot first, then the cursor derived from what it holds: consistent while
+            # rollouts continue (a prompt completed in between is re-issued, not lost or doubled).
+            try:
+                indices = ray.get(topo.buffer.snapshot_indices.remote(
+                    str((staging / "buffer" / "groups.snapshot").resolve())), timeout=None if not emergency else 120)
+            except Exception as exc:  # noqa: BLE001 - only on the error path: the buffer is gone
+                if not emergency:
+                    raise
+                say(f"  buffer snapshot not written ({type(exc).__name__}): its prompts are re-issued on resume")
+                (staging / "buffer" / "groups.snapshot").unlink(missing_ok=True)
+                indices = []
+            try:
+                cursor = ray.get(topo.coordinator.cursor_state.remote(indices), timeout=None if not emergency else 120)
+            except Exception as exc:  # noqa: BLE001 - only on the error path: the coordinator is gone
+                if not emergency:
+                    raise
+                from asyncrl.coordinator import cursor_from_state_file
+
+                say(f"  coordinator gone ({type(exc).__name__}): cursor taken from its state file")
+                cursor = cursor_from_state_file(self.run_dir / "state" / "coordinator.json", indices)
             (staging / "data_cursor.json").write_text(json.dumps(cursor))
             (staging / "run_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
                                                                 "actors": len(topo.actors)}))

@@ -143,6 +143,7 @@ class LearnerGroup:
                 runtime_env={"env_vars": env_r},
             ).remote())
         addrs = ray.get([a.node_address.remote() for a in self.actors], timeout=timeout)
+        self.hosts = [a for a, _ in addrs]  # node address of each rank (error messages)
         master_addr, master_port = addrs[0]
         if len({a for a, _ in addrs}) == 1:
             master_addr = "127.0.0.1"  # one node: keep the rendezvous on loopback

@@ -5,7 +5,13 @@
 wire and ZeroMQ settings: `asyncrl.replay.server`; snapshots: `asyncrl.replay.snapshot`.
 """
 
-from asyncrl.replay.client import BufferClient, BufferDisconnected, BufferFull, BufferRequestError, BufferTimeout
+from asyncrl.replay.client import (
+           BufferClient,
+           BufferDisconnected,
+           BufferFull,
+           BufferRequestError,
+           BufferTimeout,
+)
 from asyncrl.replay.server import ReplayBufferServer
 from asyncrl.replay.snapshot import SnapshotError
 from asyncrl.replay.state import BufferState, UnknownTicket

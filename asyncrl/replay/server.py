@@ -200,12 +200,13 @@ class ReplayBufferServer:
         self.log.rewrite(st.durable_header(), [(st.group_meta(sg), sg.blob) for sg in st.groups()])
         self._logged = st.mutations
 
-    def snapshot(self, path: str) -> int:
-        """Writes all buffered groups + counters atomically; returns the number of groups."""
+    def snapshot(self, path: str, with_indices: bool = False) -> Any:
+        """Writes all buffered groups + counters atomically; returns the number of groups (or, with
+        `with_indices`, the prompt indices of the groups written)."""
         with self._lock:
             groups = self.state.groups()
             write_snapshot(path, self.state.snapshot_header(), [g.blob for g in groups])
-            return len(groups)
+            return sorted(g.prompt_index for g in groups if g.prompt_index >= 0) if with_indices else len(groups)
 
     def restore(self, path: str) -> int:
         """Replaces the buffer's content and counters by the snapshot's (all or nothing)."""
