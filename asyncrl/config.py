@@ -519,8 +519,9 @@ class TrainerConfig(Section):
     """Evaluate on `data.test_files` before and after training (summary.json)."""
     eval_limit: int | None = None
     """Evaluate on at most this many rows."""
-    save_every: int = -1
-    """Checkpoint every N steps; -1 = only at the end and on SIGTERM."""
+    save_every: int = 25
+    """Checkpoint every N steps (bounds the steps a learner death costs); -1 = only at the end, on
+    SIGTERM and on the error path."""
     save_limit: int = -1
     """Keep the newest K checkpoints; -1 = all."""
     resume: str = "never"

@@ -44,6 +44,36 @@ def _find_run_dir(arg: str | None) -> Path:
     return candidates[-1].parent
 
 
+def _not_running(job: dict) -> str:
+    """Why the job of a `job.json` is certainly not running ("" if it may be), in well under a
+    second: its launcher process is gone (same host), or its Ray address does not accept connections
+    (ray.init would retry for minutes)."""
+    import socket
+
+    pid, host = job.get("pid"), job.get("host")
+    if isinstance(pid, int) and host in (None, socket.gethostname()):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its launcher (pid {pid}) has exited"
+        except PermissionError:
+            pass
+    from asyncrl.runtime import StartupError, _check_reachable
+
+    try:
+        _check_reachable(str(job.get("ray_address", "")), timeout_s=3.0)
+    except StartupError as exc:
+        return str(exc)
+    return ""
+
+
+def _last_seen(run_dir: Path, job: dict) -> str:
+    """When the job last wrote anything: its newest metrics row, else its start."""
+    times = [p.stat().st_mtime for p in (run_dir / "metrics.jsonl", run_dir / "job.json") if p.exists()]
+    when = max(times + [float(job.get("started", 0.0))])
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}, {time.time() - when:.0f} s ago"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.run_dir = getattr(args, "run_dir", None)
@@ -70,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cmd_args = {"verifier": new.verifier.model_dump(mode="json")}
 
+    stale = _not_running(job)
+    if stale:
+        print(f"error: the job of {run_dir} is not running (last seen {_last_seen(run_dir, job)}): {stale}",
+              file=sys.stderr)
+        return 2
     if job.get("ray_auth_mode"):
         os.environ.setdefault("RAY_AUTH_MODE", job["ray_auth_mode"])  # token in ~/.ray/auth_token
     import ray

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -88,6 +89,7 @@ class Topology:
     next_actor_index: int = 0
     weight_address: str = ""
     hosts: dict[str, str] = field(default_factory=dict)  # component -> node address (error messages)
+    rows_ref: Any = None  # the training rows in the object store (the coordinator's constructor argument)
 
     def shutdown(self) -> None:
         import ray
@@ -209,9 +211,11 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
                         scheduling_strategy=_on_this_node())
         with step_timer("coordinator"):
+            # held by the driver for the job's life: a restarted coordinator is built from it again
+            topo.rows_ref = ray.put(rows)
             topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
                 name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None, **restarts).remote(
-                rows, cfg.data.model_dump_json(),
+                topo.rows_ref, cfg.data.model_dump_json(),
                 stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
                 buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
             topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
@@ -362,7 +366,7 @@ def run(cfg: Config) -> int:
         topo = build_topology(cfg, run_dir, resume)
         (run_dir / "job.json").write_text(json.dumps({
             "ray_address": ray.get_runtime_context().gcs_address, "namespace": namespace,
-            "coordinator": "coordinator", "pid": os.getpid(), "started": time.time(),
+            "coordinator": "coordinator", "pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}))
         from asyncrl.trainer import Trainer
 

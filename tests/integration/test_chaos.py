@@ -5,7 +5,7 @@ Default tier: the buffer host and the coordinator, once each. Asserts exit 0, ev
 once, no prompt trained twice and none skipped (every drawn prompt is trained, in the final
 checkpoint's buffer snapshot, or in its cursor's re-issue list), buffer accounting closed across
 the restart (ingested == consumed + buffered + dropped), the staleness bound held, and the one
-asyncrl line per death.
+asyncrl line per death (recovering, not stopping).
 """
 
 from __future__ import annotations
@@ -69,18 +69,18 @@ def test_chaos_buffer_host_and_coordinator_killed_once_each(tmp_path: Path) -> N
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
         try:
             _wait_for(log, f"step 2/{steps}", 600, proc)
-            _kill(run, "buffer")
-            _wait_for(log, "the replay buffer (BufferHost) on", 300, proc)
-            at = _steps_logged(run)
-            _wait_for(run / "metrics.jsonl", f'"step": {at + 1},', 300, proc)
-            _kill(run, "coordinator")
-            _wait_for(log, "the coordinator on", 300, proc)
+            for component, line in (("buffer", "the replay buffer (BufferHost) on"), ("coordinator", "the coordinator on")):
+                at, t_kill = _steps_logged(run), time.time()
+                _kill(run, component)
+                _wait_for(log, line, 300, proc)
+                t_back = _wait_for(run / "metrics.jsonl", f'"step": {at + 1},', 300, proc)
+                print(f"chaos: killed {component} after step {at}; step {at + 1} logged {t_back - t_kill:.1f} s later")
             assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
         finally:
             if proc.poll() is None:
                 proc.kill()
     text = log.read_text()
-    assert "Traceback" not in text, text[-4000:]
+    assert "died and was restarted by Ray" in text and "stopping" not in text
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     last = rows[-1]

@@ -44,7 +44,9 @@ def launch(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.C
 
 
 def rows_of(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """Step rows (a resume's `resumed_from` marker rows left out)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "resumed_from" not in r]
 
 
 def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
