@@ -253,6 +253,11 @@ class AutoscalingConfig(Section):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, gt=0)
     target_ongoing_requests: float = Field(16.0, gt=0)
+    """Requests in flight per replica that Serve aims at: the rollout backlog drives the count."""
+    upscale_delay_s: float = Field(30.0, ge=0)
+    """How long the backlog must stay above the target before a replica is added."""
+    downscale_delay_s: float = Field(600.0, ge=0)
+    """How long it must stay below before one is removed."""
 
 
 class VerifierConfig(Section):
@@ -279,6 +284,9 @@ class VerifierConfig(Section):
     """GPUs per replica (vllm back-end)."""
     autoscaling: AutoscalingConfig | None = None
     """Ray Serve autoscaling; None = fixed `num_replicas`."""
+    request_ring: int = Field(256, ge=0)
+    """Answered requests each replica keeps (with its reply) for `asyncrl.ctl swap-verifier
+    --dry-run` to replay through a candidate version; 0 = none."""
     host: str = "127.0.0.1"
     """HTTP bind address of the OpenAI-compatible ingress."""
     port: int = Field(8000, ge=0, le=65535)
@@ -524,6 +532,9 @@ class TrainerConfig(Section):
     SIGTERM and on the error path."""
     save_limit: int = -1
     """Keep the newest K checkpoints; -1 = all."""
+    recover_learner: bool = True
+    """A dead learner rank is recovered in the running job: the learner group is rebuilt from the
+    newest checkpoint (up to `cluster.max_restarts` times); false = stop (exit 3) for a resume."""
     resume: str = "never"
     """`auto` (newest complete checkpoint of this run), `never`, or a checkpoint path."""
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(

@@ -195,6 +195,15 @@ class Coordinator:
                 self._recent_set.add(index)
         self._save()
 
+    def untrain(self, indices: list[int]) -> int:
+        """The learner lost the steps that trained these prompts (rolled back to a checkpoint):
+        issue them again."""
+        for index in indices:
+            if index in self._recent_set:
+                self._recent_set.discard(index)
+                self._recent.remove(index)
+        return self.reissue(indices, reason="rolled_back")
+
     def reissue(self, indices: list[int], reason: str = "stale") -> int:
         """Issue these prompts again (their groups were dropped stale, or died with the buffer)."""
         added = 0

@@ -1,6 +1,6 @@
 """`python -m asyncrl.ctl COMMAND --run-dir runs/<experiment>`: act on a running job.
 
-Commands: `status`, `scale N`, `swap-verifier FILE.yaml`, `checkpoint`, `stop`.
+Commands: `status`, `scale N`, `swap-verifier FILE.yaml [--dry-run [--last N]]`, `checkpoint`, `stop`.
 The job is found through `<run-dir>/job.json` (Ray address + namespace, written by the launcher).
 Each command is queued on the job's coordinator; the driver executes it between learner steps and
 posts the result, which is printed here. Exit status: 0 done, 1 the job refused or failed it (the
@@ -30,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("swap-verifier", parents=[common],
                        help="deploy a new verifier version from a config file (its `verifier:` section)")
     w.add_argument("file")
+    w.add_argument("--dry-run", action="store_true",
+                   help="do not swap: replay the verifier's last stored requests through the new version "
+                        "and report agreement (STOP decisions, hallucination scores, guidance length)")
+    w.add_argument("--last", type=int, default=64, help="stored requests to replay with --dry-run")
     sub.add_parser("checkpoint", parents=[common], help="write a checkpoint now")
     sub.add_parser("stop", parents=[common], help="checkpoint and stop the job")
     return p
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job = json.loads(job_file.read_text())
     cmd_args: dict = {}
+    command = args.command
     if args.command == "scale":
         if args.n < 0:
             print("error: scale N needs N >= 0", file=sys.stderr)
@@ -99,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         cmd_args = {"verifier": new.verifier.model_dump(mode="json")}
+        if args.dry_run:
+            command, cmd_args = "dry-run-verifier", {**cmd_args, "last": args.last}
 
     stale = _not_running(job)
     if stale:
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         print(json.dumps(ray.get(coordinator.status.remote(), timeout=30), indent=2, default=str))
         return 0
-    cid = ray.get(coordinator.submit.remote(args.command, cmd_args), timeout=30)
+    cid = ray.get(coordinator.submit.remote(command, cmd_args), timeout=30)
     deadline = time.time() + args.timeout
     while time.time() < deadline:
         result = ray.get(coordinator.result.remote(cid), timeout=30)

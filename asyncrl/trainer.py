@@ -70,7 +70,12 @@ class Trainer:
             bar = tqdm(total=cfg.trainer.max_steps, initial=self.step, desc="train", dynamic_ncols=True)
         rc = 0
         while self.step < cfg.trainer.max_steps and not self.stop.requested:
-            metrics = self.train_one_step()
+            try:
+                metrics = self.train_one_step()
+            except Exception as exc:  # noqa: BLE001 - a dead learner rank is recovered in the job if possible
+                if not self.recover_learner(exc):
+                    raise
+                continue
             if metrics is None:
                 break
             self.step += 1
@@ -137,6 +142,7 @@ class Trainer:
         if not groups:  # stopping while waiting: nothing taken from the buffer, nothing to train
             return None
         self._last_groups = groups
+        self._taken = groups  # taken from the buffer, not trained yet (re-issued if the learner dies now)
         # (a partial batch only happens while stopping: it is trained rather than lost)
         lags = [self.version - g.min_version for g in groups]
         learner_metrics = topo.learner.step(groups)
@@ -151,6 +157,7 @@ class Trainer:
         while len(self._trained_recent) > 8192:
             self._trained_recent.pop(next(iter(self._trained_recent)))
         coord = ray.get(topo.coordinator.set_version.remote(self.version, [i for i in trained if i >= 0]))
+        self._taken = []
         wait_s = t_batch - t0
         step_s = t2 - t0
         tokens = int(sum(int(s.response_mask.sum()) for g in groups for s in g.samples))
@@ -351,6 +358,57 @@ class Trainer:
             out[f"{prefix}_count"] = float(len(values))
         return out
 
+    _taken: list[Any] = []
+    _learner_recoveries = 0
+
+    def recover_learner(self, exc: BaseException) -> bool:
+        """A learner rank died: rebuild the learner group in this job from the newest checkpoint
+        (the fleet, the verifier and the buffer keep running), train the rolled-back steps' prompts
+        again, and go on. False when this is not a learner death or it cannot be recovered here
+        (the error path then stops the job for a resume)."""
+        import ray
+
+        from asyncrl.learner.checkpoint import latest_checkpoint
+        from asyncrl.runtime import describe_failure
+
+        component, host, reason = describe_failure(self.topo, exc)
+        limit = self.cfg.cluster.max_restarts
+        if (not component.startswith("learner") or not self.cfg.trainer.recover_learner
+                or (limit >= 0 and self._learner_recoveries >= limit)):
+            return False
+        self._learner_recoveries += 1
+        topo, t0 = self.topo, time.time()
+        newest = latest_checkpoint(self.run_dir / "checkpoints")
+        k = int(json.loads((newest / "run_state.json").read_text())["step"]) if newest else 0
+        say(f"{component} on {host} died ({reason}); recovering: rebuilding the learner group in this job from "
+            f"{newest or 'the initial model'} (steps {k + 1}..{self.step} are trained again); rollout actors, "
+            "verifier and buffer keep running")
+        try:
+            topo.learner.rebuild(newest)
+            label = max(self.version, topo.learner.version) + 1  # a version number never names two policies
+            topo.learner.set_version(label)
+            topo.weight_address = topo.learner.start_weight_sender(port=0, publish=True)
+            enrol(topo, [a for a in self.loops if a in topo.actors])
+            sync_weights(topo)
+        except Exception as exc2:  # noqa: BLE001 - cannot rebuild here (e.g. the node is gone): stop for a resume
+            say(f"the learner group could not be rebuilt in this job ({type(exc2).__name__}: {exc2})")
+            raise exc2 from exc
+        redo = [int(i) for r in self.logger.rows if int(r.get("step", 0)) > k for i in r.get("train/prompt_indices", [])]
+        redo += [int(g.metadata.get("prompt_index", -1)) for g in self._taken]
+        redo = [i for i in redo if i >= 0]
+        for i in redo:
+            self._trained_recent.pop(i, None)
+        ray.get(topo.coordinator.untrain.remote(redo))
+        ray.get(topo.coordinator.set_version.remote(label))
+        ray.get(topo.buffer.set_version.remote(label))
+        self.logger.rows = [r for r in self.logger.rows if int(r.get("step", 0)) <= k]
+        self._taken = []
+        self.step, self.version = k, label
+        self._mark_resume(newest if newest else Path("initial model"))
+        say(f"learner recovered in {time.time() - t0:.1f}s: step {k}, weights v{label}, {len(redo)} prompt(s) "
+            "re-issued")
+        return True
+
     def on_failure(self, exc: BaseException) -> int:
         """A component died and the job cannot go on: one line naming it, its host and what happens,
         the traceback to `error.log`, then a checkpoint of everything still alive. Returns the exit
@@ -425,6 +483,12 @@ class Trainer:
         if report.get("ok"):
             self.cfg = cfg
         return report
+
+    def cmd_dry_run_verifier(self, verifier: dict[str, Any], last: int = 64) -> dict[str, Any]:
+        """What swapping to `verifier` would change, on the job's last stored verifier requests."""
+        from asyncrl.serve.dryrun import dry_run
+
+        return dry_run(VerifierConfig.model_validate(verifier), last, self.cfg.rollout.guide.stop_token)
 
     def cmd_checkpoint(self) -> dict[str, Any]:
         path = self.checkpoint()

@@ -65,22 +65,29 @@ class BufferLog:
         return HEAD.pack(MAGIC, kind, len(payload), crc) + payload
 
     @staticmethod
-    def _group_payload(header: dict[str, Any], meta: dict[str, Any], blob: Any) -> bytes:
+    def _group_parts(header: dict[str, Any], meta: dict[str, Any], blob: Any) -> list[Any]:
+        """The GROUP record as buffers (the frame is not copied): head, meta, frame."""
         packed = msgpack.packb({"state": header, "group": meta})
-        return META.pack(len(packed)) + packed + bytes(blob)
+        first = META.pack(len(packed)) + packed
+        frame = memoryview(blob).cast("B")
+        crc = zlib.crc32(frame, zlib.crc32(first, zlib.crc32(bytes([GROUP]))))
+        return [HEAD.pack(MAGIC, GROUP, len(first) + len(frame), crc), first, frame]
 
     def append_state(self, header: dict[str, Any]) -> None:
-        self._write(self._record(STATE, msgpack.packb(header)))
+        self._write([self._record(STATE, msgpack.packb(header))])
 
     def append_group(self, header: dict[str, Any], meta: dict[str, Any], blob: Any) -> None:
-        self._write(self._record(GROUP, self._group_payload(header, meta, blob)))
+        self._write(self._group_parts(header, meta, blob))
 
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        self.size += len(data)
+    def _write(self, parts: list[Any]) -> None:
+        """One `writev` per record (O_APPEND: records never interleave); finishes a short write."""
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(len(v) for v in views)
+        left = size - os.writev(self._fd, views)
+        while left > 0:
+            rest = b"".join(bytes(v) for v in views)[size - left:]
+            left -= os.write(self._fd, rest)
+        self.size += size
         self._dirty = True
 
     def commit(self) -> None:
@@ -106,7 +113,8 @@ class BufferLog:
         with open(tmp, "wb") as f:
             f.write(self._record(STATE, msgpack.packb(header)))
             for meta, blob in groups:
-                f.write(self._record(GROUP, self._group_payload({}, meta, blob)))
+                for part in self._group_parts({}, meta, blob):
+                    f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

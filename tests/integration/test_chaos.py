@@ -1,8 +1,11 @@
 """Chaos: the stateful processes of a live quick-start-sized run are SIGKILLed while it trains, and
 the run still finishes `trainer.max_steps` by itself (real Ray, Serve, vLLM CPU, ZeroMQ, DeepSpeed).
 
-Default tier: the buffer host and the coordinator, once each. Asserts exit 0, every step trained
-once, no prompt trained twice and none skipped (every drawn prompt is trained, in the final
+Default tier: the buffer host and the coordinator, once each. Slow tier: a rollout actor, the buffer
+host, the coordinator, the verifier replica and a learner rank, in a seeded random order at seeded
+random steps, one at a time with recovery in between, and the final evaluation compared with an
+undisturbed run of the same length. Both assert exit 0, every step trained once (in the effective
+history, after the learner's in-job rollback), no prompt trained twice and none skipped (every drawn prompt is trained, in the final
 checkpoint's buffer snapshot, or in its cursor's re-issue list), buffer accounting closed across
 the restart (ingested == consumed + buffered + dropped), the staleness bound held, and the one
 asyncrl line per death (recovering, not stopping).
@@ -11,7 +14,9 @@ asyncrl line per death (recovering, not stopping).
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.metrics import effective_rows
 from asyncrl.replay.snapshot import read_snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,30 +67,68 @@ def _kill(run: Path, component: str) -> int:
     return pid
 
 
-def test_chaos_buffer_host_and_coordinator_killed_once_each(tmp_path: Path) -> None:
-    log, run, steps = tmp_path / "launch.log", tmp_path / "chaos", 10
+def _descendant(root: int, needle: str) -> int:
+    """A Ray worker of this job (the embedded cluster's processes descend from the launcher)."""
+    import psutil
+
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            if needle in " ".join(p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no process matching {needle!r} under pid {root}")
+
+
+RECOVERED = {"buffer": "the replay buffer (BufferHost) on", "coordinator": "the coordinator on",
+             "learner": "learner recovered in", "rollout": "restarted at weights", "verifier": None}
+
+
+def _chaos_run(tmp_path: Path, steps: int, kills: list[tuple[str, int]], *extra: str) -> tuple[Path, str, list[str]]:
+    """Launches a run and kills each component after its step (waiting for the recovery line and
+    one more trained step in between); returns the run dir, the launcher's log and the timings."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log, run = tmp_path / "launch.log", tmp_path / "chaos"
     cmd = [sys.executable, "-m", "asyncrl.launch", "-c", "configs/quickstart.yaml", f"trainer.run_dir={tmp_path}",
-           *BASE, "trainer.experiment_name=chaos", f"trainer.max_steps={steps}"]
+           *BASE, "trainer.experiment_name=chaos", f"trainer.max_steps={steps}", *extra]
+    timings = []
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_for(log, f"step 2/{steps}", 600, proc)
-            for component, line in (("buffer", "the replay buffer (BufferHost) on"), ("coordinator", "the coordinator on")):
-                at, t_kill = _steps_logged(run), time.time()
-                _kill(run, component)
-                _wait_for(log, line, 300, proc)
-                t_back = _wait_for(run / "metrics.jsonl", f'"step": {at + 1},', 300, proc)
-                print(f"chaos: killed {component} after step {at}; step {at + 1} logged {t_back - t_kill:.1f} s later")
-            assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+            for component, after in kills:
+                _wait_for(run / "metrics.jsonl", f'"step": {after},', 900, proc)
+                seen, t_kill = log.read_text().count(RECOVERED[component] or "\0"), time.time()
+                if component in ("buffer", "coordinator"):
+                    _kill(run, component)
+                elif component == "learner":
+                    _kill(run, "learner_rank_0")
+                else:
+                    os.kill(_descendant(proc.pid, {"rollout": "RolloutWorker", "verifier": "ServeReplica:verifier"}
+                                        [component]), signal.SIGKILL)
+                if RECOVERED[component]:
+                    deadline = time.time() + 600
+                    while log.read_text().count(RECOVERED[component]) <= seen and time.time() < deadline:
+                        assert proc.poll() is None, log.read_text()[-4000:]
+                        time.sleep(0.5)
+                at = _steps_logged(run)
+                deadline = time.time() + 600
+                while _steps_logged(run) <= at and time.time() < deadline:
+                    assert proc.poll() is None, log.read_text()[-4000:]
+                    time.sleep(0.25)
+                timings.append(f"killed {component} after step {after}: next step logged {time.time() - t_kill:.1f} s later")
+                print("chaos:", timings[-1])
+            assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
         finally:
             if proc.poll() is None:
                 proc.kill()
-    text = log.read_text()
-    assert "died and was restarted by Ray" in text and "stopping" not in text
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    return run, log.read_text(), timings
+
+
+def _check_history(run: Path, steps: int) -> list[dict]:
+    raw = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = effective_rows(raw)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
     last = rows[-1]
-    assert last["buffer/restarts"] == 1 and last["coordinator/restarts"] == 1
     assert last["buffer/ingested"] == (last["buffer/consumed"] + last["buffer/size_groups"]
                                        + last["buffer/dropped_stale"] + last["buffer/dropped_filtered"])
     assert all(r["buffer/staleness_max"] <= 1 for r in rows)
@@ -93,9 +137,39 @@ def test_chaos_buffer_host_and_coordinator_killed_once_each(tmp_path: Path) -> N
     final = run / "checkpoints" / f"step_{steps}"
     cursor = json.loads((final / "data_cursor.json").read_text())
     _, _, buffered = read_snapshot(final / "buffer" / "groups.snapshot", 2**30)
-    in_snapshot = {int(g.metadata["prompt_index"]) for g in buffered}
-    pending = set(cursor["reissue"]) | in_snapshot
+    pending = set(cursor["reissue"]) | {int(g.metadata["prompt_index"]) for g in buffered}
     assert not pending & set(trained)
     stream = cursor["stream"]
     drawn = set(range(stream["cursor"])) | set(stream["skip"])
     assert drawn <= set(trained) | pending, f"prompts skipped: {sorted(drawn - set(trained) - pending)}"
+    return rows
+
+
+def test_chaos_buffer_host_and_coordinator_killed_once_each(tmp_path: Path) -> None:
+    steps = 10
+    run, text, _ = _chaos_run(tmp_path, steps, [("buffer", 2), ("coordinator", 4)])
+    assert "died and was restarted by Ray" in text and "stopping" not in text
+    rows = _check_history(run, steps)
+    assert rows[-1]["buffer/restarts"] == 1 and rows[-1]["coordinator/restarts"] == 1
+
+
+@pytest.mark.slow
+def test_chaos_every_stateful_process_killed_at_seeded_random_moments(tmp_path: Path) -> None:
+    rng = random.Random(19)
+    order = ["rollout", "buffer", "coordinator", "verifier", "learner"]
+    rng.shuffle(order)
+    steps, at, kills = 24, 2, []
+    for component in order:
+        at += rng.randint(2, 3)
+        kills.append((component, at))
+    evals = ("trainer.eval_before_after=true", "trainer.eval_limit=60", "trainer.save_every=4")
+    run, text, timings = _chaos_run(tmp_path / "chaos", steps, kills, *evals)
+    assert "stopping" not in text
+    rows = _check_history(run, steps)
+    assert rows[-1]["buffer/restarts"] == 1 and rows[-1]["coordinator/restarts"] == 1
+    calm, _, _ = _chaos_run(tmp_path / "calm", steps, [], *evals)
+    disturbed = json.loads((run / "summary.json").read_text())["after"]
+    undisturbed = json.loads((calm / "summary.json").read_text())["after"]
+    a, b = disturbed["guided_accuracy"], undisturbed["guided_accuracy"]
+    se = math.sqrt(max(a * (1 - a), b * (1 - b), 0.01) * 2 / 60)  # two independent 60-row accuracies
+    assert abs(a - b) <= 3 * se, (a, b, timings)
