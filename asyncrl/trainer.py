@@ -423,7 +423,8 @@ class Trainer:
         learner_alive = not component.startswith("learner")
         plan = ("writing a checkpoint of the learner, buffer and cursor" if learner_alive else
                 "the learner's state is gone: the newest checkpoint is what a resume starts from")
-        say(f"{component} on {host} died ({reason}); stopping at step {self.step}: {plan}, then exiting "
+        verb = "failed" if component.startswith("the trainer") else "died"
+        say(f"{component} on {host} {verb} ({reason}); stopping at step {self.step}: {plan}, then exiting "
             f"with status 3 (restart with trainer.resume=auto). Traceback: {log}")
         if learner_alive:
             try:

@@ -148,7 +148,7 @@ def _check_history(run: Path, steps: int) -> list[dict]:
 def test_chaos_buffer_host_and_coordinator_killed_once_each(tmp_path: Path) -> None:
     steps = 10
     run, text, _ = _chaos_run(tmp_path, steps, [("buffer", 2), ("coordinator", 4)])
-    assert "died and was restarted by Ray" in text and "stopping" not in text
+    assert "died and was restarted by Ray" in text and "; stopping at step" not in text
     rows = _check_history(run, steps)
     assert rows[-1]["buffer/restarts"] == 1 and rows[-1]["coordinator/restarts"] == 1
 
@@ -164,7 +164,7 @@ def test_chaos_every_stateful_process_killed_at_seeded_random_moments(tmp_path: 
         kills.append((component, at))
     evals = ("trainer.eval_before_after=true", "trainer.eval_limit=60", "trainer.save_every=4")
     run, text, timings = _chaos_run(tmp_path / "chaos", steps, kills, *evals)
-    assert "stopping" not in text
+    assert "; stopping at step" not in text
     rows = _check_history(run, steps)
     assert rows[-1]["buffer/restarts"] == 1 and rows[-1]["coordinator/restarts"] == 1
     calm, _, _ = _chaos_run(tmp_path / "calm", steps, [], *evals)
@@ -173,3 +173,35 @@ def test_chaos_every_stateful_process_killed_at_seeded_random_moments(tmp_path: 
     a, b = disturbed["guided_accuracy"], undisturbed["guided_accuracy"]
     se = math.sqrt(max(a * (1 - a), b * (1 - b), 0.01) * 2 / 60)  # two independent 60-row accuracies
     assert abs(a - b) <= 3 * se, (a, b, timings)
+
+
+@pytest.mark.slow
+def test_a_service_that_cannot_come_back_stops_with_a_checkpoint_then_resumes(tmp_path: Path) -> None:
+    """`cluster.max_restarts=0`: the killed buffer host stays dead, so the job stops: one asyncrl
+    line naming it, a checkpoint of what is alive (learner + cursor, the buffer's prompts marked for
+    re-issue), exit 3; `trainer.resume=auto` then finishes with a `resumed_from` row and every
+    prompt trained once in the effective history."""
+    log, run = tmp_path / "launch.log", tmp_path / "chaos"
+    cmd = [sys.executable, "-m", "asyncrl.launch", "-c", "configs/quickstart.yaml", f"trainer.run_dir={tmp_path}",
+           *BASE, "trainer.experiment_name=chaos", "trainer.max_steps=8", "cluster.max_restarts=0"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_for(run / "metrics.jsonl", '"step": 3,', 900, proc)
+            _kill(run, "buffer")
+            assert proc.wait(timeout=600) == 3, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("[asyncrl] the replay buffer (BufferHost) on"))
+    assert "died" in line and "stopping at step" in line and "trainer.resume=auto" in line, line
+    assert (run / "error.log").exists()
+    stopped = max(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*"))
+    assert stopped >= 3 and (run / "checkpoints" / f"step_{stopped}" / "data_cursor.json").exists()
+    resumed = subprocess.run(cmd[:-1] + ["trainer.resume=auto"], cwd=ROOT, env=_env(), capture_output=True,
+                             text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    raw = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in raw if "resumed_from" in r][0]["step"] == stopped
+    _check_history(run, 8)
