@@ -145,6 +145,22 @@ def describe_failure(topo: Topology, exc: BaseException) -> tuple[str, str, str]
             roles[a._actor_id.hex()] = (f"rollout actor {aid}", "?")
         name, host = roles.get(str(dead), (f"Ray actor {dead}", "?"))
         return name, host, reason
+    # Seen first by the driver (e.g. a buffer request timed out): which service is gone, if any?
+    probes = [("the replay buffer (BufferHost)", topo.buffer, "where", topo.hosts.get("buffer", "?")),
+              ("the coordinator", topo.coordinator, "where", topo.hosts.get("coordinator", "?"))]
+    if topo.learner is not None:
+        hosts = getattr(topo.learner, "hosts", [])
+        probes += [(f"learner rank {r}", a, "node_address", hosts[r] if r < len(hosts) else "?")
+                   for r, a in enumerate(topo.learner.actors)]
+    for name, handle, method, host in probes:
+        if handle is None:
+            continue
+        try:
+            ray.get(getattr(handle, method).remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return name, host, f"{reason}; the process is gone"
+        except Exception:  # noqa: BLE001 - slow to answer is not dead
+            continue
     return "the trainer (driver)", os.uname().nodename, reason
 
 

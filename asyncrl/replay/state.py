@@ -10,7 +10,9 @@ Rules (DESIGN.md section 4; AReaL's admission rule, asyncrl's hard bound):
   expired ticket is still accepted (counted ``buffer/late_pushes``): work is not thrown away, and the
   hard bound below still holds.
 - Hard bound: a group with ``v - min_version > max_staleness`` is never delivered; it is dropped and
-  counted (``buffer/dropped_stale``) at ingest, when v changes, and before every delivery.
+  counted (``buffer/dropped_stale``) at ingest, when v changes, and before every delivery. Groups
+  dropped or filtered at ingest are never stored, so they are not in ``ingested``:
+  ``ingested == consumed + buffered + (dropped_stale - dropped_stale_at_ingest)``.
 - Order: oldest policy version first (``min_version``, then arrival). Each group is delivered once;
   a ticket's group is stored once (a retried push with the same ticket answers ``duplicate``; so
   does a push with a released ticket). Tickets still unfinished at snapshot time are restored as
@@ -65,7 +67,7 @@ COUNTERS = ("ingested", "consumed", "dropped_stale", "dropped_filtered", "reject
             "rejected_full", "rejected_oversized", "rejected_schema", "rejected_unknown_ticket",
             "duplicates", "late_pushes", "untracked_pushes", "tickets_granted", "tickets_released",
             "tickets_expired", "tickets_timed_out", "reply_failures", "requeued", "filter_missing_key",
-            "internal_errors", "restarts", "recovered_groups")
+            "internal_errors", "restarts", "recovered_groups", "dropped_stale_at_ingest")
 
 
 class BufferState:
@@ -177,8 +179,10 @@ class BufferState:
         index, length = _prompt_index(group), _group_length(group)
         if drop is not None:
             self.counters["dropped_" + drop] += 1
-            if drop == "stale" and index >= 0:
-                self.dropped_prompts.append((index, length))
+            if drop == "stale":  # counted in dropped_stale too; never part of `ingested`
+                self.counters["dropped_stale_at_ingest"] += 1
+                if index >= 0:
+                    self.dropped_prompts.append((index, length))
             return drop
         sg = StoredGroup(next(self._seq), group.min_version, group.max_version, blob, nbytes, now, ticket,
                          index, length)

@@ -7,7 +7,7 @@ random steps, one at a time with recovery in between, and the final evaluation c
 undisturbed run of the same length. Both assert exit 0, every step trained once (in the effective
 history, after the learner's in-job rollback), no prompt trained twice and none skipped (every drawn prompt is trained, in the final
 checkpoint's buffer snapshot, or in its cursor's re-issue list), buffer accounting closed across
-the restart (ingested == consumed + buffered + dropped), the staleness bound held, and the one
+the restart (ingested == consumed + buffered + dropped after storing; every stale drop re-issued), the staleness bound held, and the one
 asyncrl line per death (recovering, not stopping).
 """
 
@@ -129,8 +129,10 @@ def _check_history(run: Path, steps: int) -> list[dict]:
     rows = effective_rows(raw)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
     last = rows[-1]
+    # nothing lost: every stored group was trained, is buffered, or was dropped stale after storing
     assert last["buffer/ingested"] == (last["buffer/consumed"] + last["buffer/size_groups"]
-                                       + last["buffer/dropped_stale"] + last["buffer/dropped_filtered"])
+                                       + last["buffer/dropped_stale"] - last["buffer/dropped_stale_at_ingest"])
+    assert last["buffer/reissued_stale"] == last["buffer/dropped_stale"]  # every drop explained: re-issued
     assert all(r["buffer/staleness_max"] <= 1 for r in rows)
     trained = [i for r in rows for i in r["train/prompt_indices"]]
     assert len(trained) == len(set(trained)) == steps * 2, "a prompt was trained twice"
