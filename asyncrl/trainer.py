@@ -281,7 +281,7 @@ class Trainer:
                 say(f"  released {released} admission ticket(s) held by {aid}")
             self.loops.pop(aid)
             try:
-                report = ray.get(self.topo.actors[aid].start.remote(), timeout=self.cfg.cluster.startup_timeout_s)
+                report = self._start_restarted(aid)
                 say(f"{aid} restarted at weights v{report['version']} ({lost} prompt(s) re-issued)")
                 self._start_loop(aid)
                 changed = True
@@ -440,6 +440,20 @@ class Trainer:
         except Exception:  # noqa: BLE001
             pass
         return 3
+
+    def _start_restarted(self, aid: str) -> dict[str, Any]:
+        """`start()` on an actor Ray is restarting: "temporarily unavailable" while its new process
+        comes up is waited out (up to cluster.startup_timeout_s), not taken for a failed restart."""
+        import ray
+
+        deadline = time.time() + self.cfg.cluster.startup_timeout_s
+        while True:
+            try:
+                return ray.get(self.topo.actors[aid].start.remote(), timeout=max(1.0, deadline - time.time()))
+            except ray.exceptions.ActorUnavailableError:
+                if time.time() >= deadline:
+                    raise
+                time.sleep(1.0)
 
     # ------------------------------------------------------------------ ctl commands
     def handle_commands(self) -> None:
