@@ -446,14 +446,16 @@ class Trainer:
         comes up is waited out (up to cluster.startup_timeout_s), not taken for a failed restart."""
         import ray
 
-        deadline = time.time() + self.cfg.cluster.startup_timeout_s
-        while True:
+        actor, deadline = self.topo.actors[aid], time.time() + self.cfg.cluster.startup_timeout_s
+        while True:  # a cheap call first: `start` is sent once, to the new process
             try:
-                return ray.get(self.topo.actors[aid].start.remote(), timeout=max(1.0, deadline - time.time()))
+                ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.time()))
+                break
             except ray.exceptions.ActorUnavailableError:
                 if time.time() >= deadline:
                     raise
                 time.sleep(1.0)
+        return ray.get(actor.start.remote(), timeout=max(1.0, deadline - time.time()))
 
     # ------------------------------------------------------------------ ctl commands
     def handle_commands(self) -> None:
