@@ -147,13 +147,16 @@ class Trainer:
         lags = [self.version - g.min_version for g in groups]
         learner_metrics = topo.learner.step(groups)
         t1 = time.time()
+        # Trained from here on: if the step fails before its row is logged, the error path logs it
+        # (the learner's state includes it) and no checkpoint may list these prompts as pending.
+        for g in groups:
+            self._trained_recent[int(g.metadata.get("prompt_index", -1))] = None
+        self._pending_row = {**learner_metrics, **_batch_metrics(groups, lags, cfg.buffer.max_staleness)}
         self.version = int(learner_metrics.get("train/version", self.version + 1))
         self.heal_actors()  # a dead engine found now is withdrawn before the broadcast waits for it
         sync = sync_weights(topo)
         t2 = time.time()
         trained = [int(g.metadata.get("prompt_index", -1)) for g in groups]
-        for index in trained:
-            self._trained_recent[index] = None
         while len(self._trained_recent) > 8192:
             self._trained_recent.pop(next(iter(self._trained_recent)))
         coord = ray.get(topo.coordinator.set_version.remote(self.version, [i for i in trained if i >= 0]))
@@ -186,6 +189,7 @@ class Trainer:
         })
         for aid in sync.get("dropped", []):
             say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")
+        self._pending_row = None
         return metrics
 
     def _get_batch(self, num_groups: int, timeout_s: float) -> list[Any]:
@@ -360,6 +364,7 @@ class Trainer:
 
     _taken: list[Any] = []
     _learner_recoveries = 0
+    _pending_row: dict[str, Any] | None = None
 
     def recover_learner(self, exc: BaseException) -> bool:
         """A learner rank died: rebuild the learner group in this job from the newest checkpoint
@@ -402,7 +407,7 @@ class Trainer:
         ray.get(topo.coordinator.set_version.remote(label))
         ray.get(topo.buffer.set_version.remote(label))
         self.logger.rows = [r for r in self.logger.rows if int(r.get("step", 0)) <= k]
-        self._taken = []
+        self._taken, self._pending_row = [], None
         self.step, self.version = k, label
         self._mark_resume(newest if newest else Path("initial model"))
         say(f"learner recovered in {time.time() - t0:.1f}s: step {k}, weights v{label}, {len(redo)} prompt(s) "
@@ -426,6 +431,10 @@ class Trainer:
         verb = "failed" if component.startswith("the trainer") else "died"
         say(f"{component} on {host} {verb} ({reason}); stopping at step {self.step}: {plan}, then exiting "
             f"with status 3 (restart with trainer.resume=auto). Traceback: {log}")
+        if learner_alive and self._pending_row is not None:  # the learner trained this step: it counts
+            self.step += 1
+            self.logger.log(self.step, {**self._pending_row, "error": f"{component} died during this step"})
+            self._pending_row = None
         if learner_alive:
             try:
                 self.checkpoint(emergency=True)
@@ -546,6 +555,8 @@ class Trainer:
 
                 say(f"  coordinator gone ({type(exc).__name__}): cursor taken from its state file")
                 cursor = cursor_from_state_file(self.run_dir / "state" / "coordinator.json", indices)
+            # a prompt the learner trained is never pending, whatever the coordinator heard yet
+            cursor["reissue"] = [i for i in cursor["reissue"] if int(i) not in self._trained_recent]
             (staging / "data_cursor.json").write_text(json.dumps(cursor))
             (staging / "run_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
                                                                 "actors": len(topo.actors)}))
