@@ -262,6 +262,11 @@ class AutoscalingConfig(Section):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, gt=0)
     target_ongoing_requests: float = Field(16.0, gt=0)
+    """Requests in flight per replica that Serve aims at: the rollout backlog drives the count."""
+    upscale_delay_s: float = Field(30.0, ge=0)
+    """How long the backlog must stay above the target before a replica is added."""
+    downscale_delay_s: float = Field(600.0, ge=0)
+    """How long it must stay below before one is removed."""
 
 
 class VerifierConfig(Section):
@@ -288,6 +293,9 @@ class VerifierConfig(Section):
     """GPUs per replica (vllm back-end)."""
     autoscaling: AutoscalingConfig | None = None
     """Ray Serve autoscaling; None = fixed `num_replicas`."""
+    request_ring: int = Field(256, ge=0)
+    """Answered requests each replica keeps (with its reply) for `asyncrl.ctl swap-verifier
+    --dry-run` to replay through a candidate version; 0 = none."""
     host: str = "auto"
     """HTTP bind address of the OpenAI-compatible ingress (Serve's proxy on the head node): `auto` =
     loopback on an embedded cluster, the head node's address on a joined cluster; `node`, a
@@ -328,6 +336,21 @@ class DynamicSamplingConfig(Section):
     """... and mean < high."""
 
 
+class DurableConfig(Section):
+    enable: bool = True
+    """Append every acknowledged change (stored groups, tickets, counters) to a log on the buffer
+    host's local disk before acknowledging it, so a restarted buffer process loses nothing."""
+    fsync: Literal["always", "interval", "never"] = "always"
+    """`always`: fsync before each acknowledgement (also survives a host crash); `interval`: at most
+    every `fsync_interval_s`; `never`: leave it to the OS. Every policy survives a process death."""
+    fsync_interval_s: float = Field(1.0, gt=0)
+    """fsync period for `fsync: interval`."""
+    compact_min_mb: float = Field(64.0, gt=0)
+    """The log is rewritten with only the live groups once it exceeds max(this, 2 x buffered MiB)."""
+    restored_lease_s: float = Field(300.0, gt=0)
+    """After a restart, tickets leased before the death stay leased at most this long."""
+
+
 class BufferConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """Learner versions a group may lag behind (v - min_version); higher = more throughput, more
@@ -353,6 +376,11 @@ class BufferConfig(Section):
     """CurveZMQ security."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """DAPO group filter at ingest."""
+    reissue_stale: bool = True
+    """Issue the prompt of a group dropped by the staleness bound again (`buffer/reissued_stale`), so
+    long rollouts, which age out first, are not skipped for the epoch."""
+    durable: DurableConfig = Field(default_factory=DurableConfig)
+    """Durable log of acknowledged groups (survives the buffer process's death)."""
 
 
 # ------------------------------------------------------------------------------------------ learner
@@ -531,6 +559,9 @@ class ClusterConfig(Section):
     max_identical_failures: int = Field(3, ge=1)
     """A rollout actor that fails this many times in a row with the same error stops the job
     (naming the actor, its host and the address it could not reach) instead of restarting forever."""
+    max_restarts: int = Field(3, ge=-1)
+    """Times Ray restarts a dead buffer host or coordinator in the running job (each resumes its
+    state from disk: buffer.durable log, coordinator state); -1 = without limit."""
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -549,10 +580,14 @@ class TrainerConfig(Section):
     """Evaluate on `data.test_files` before and after training (summary.json)."""
     eval_limit: int | None = None
     """Evaluate on at most this many rows."""
-    save_every: int = -1
-    """Checkpoint every N steps; -1 = only at the end and on SIGTERM."""
+    save_every: int = 25
+    """Checkpoint every N steps (bounds the steps a learner death costs); -1 = only at the end, on
+    SIGTERM and on the error path."""
     save_limit: int = -1
     """Keep the newest K checkpoints; -1 = all."""
+    recover_learner: bool = True
+    """A dead learner rank is recovered in the running job: the learner group is rebuilt from the
+    newest checkpoint (up to `cluster.max_restarts` times); false = stop (exit 3) for a resume."""
     resume: str = "never"
     """`auto` (newest complete checkpoint of this run), `never`, or a checkpoint path."""
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(

@@ -1,6 +1,7 @@
 """`python -m asyncrl.ctl COMMAND --run-dir runs/<experiment>`: act on a running job.
 
-Commands: `status [--json] [--live]` (a table read from `<run-dir>/status.json`, no Ray), `scale N`, `swap-verifier FILE.yaml`, `checkpoint`, `stop`.
+Commands: `status [--json] [--live]` (a table read from `<run-dir>/status.json`, no Ray), `scale N`,
+`swap-verifier FILE.yaml [--dry-run [--last N]]`, `checkpoint`, `stop`.
 The job is found through `<run-dir>/job.json` (Ray address + namespace, written by the launcher).
 Each command is queued on the job's coordinator; the driver executes it between learner steps and
 posts the result, which is printed here. Exit status: 0 done, 1 the job refused or failed it (the
@@ -33,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("swap-verifier", parents=[common],
                        help="deploy a new verifier version from a config file (its `verifier:` section)")
     w.add_argument("file")
+    w.add_argument("--dry-run", action="store_true",
+                   help="do not swap: replay the verifier's last stored requests through the new version "
+                        "and report agreement (STOP decisions, hallucination scores, guidance length)")
+    w.add_argument("--last", type=int, default=64, help="stored requests to replay with --dry-run")
     sub.add_parser("checkpoint", parents=[common], help="write a checkpoint now")
     sub.add_parser("stop", parents=[common], help="checkpoint and stop the job")
     return p
@@ -45,6 +50,36 @@ def _find_run_dir(arg: str | None) -> Path:
     if not candidates:
         raise SystemExit("error: no running job found (no runs/*/job.json); pass --run-dir")
     return candidates[-1].parent
+
+
+def _not_running(job: dict) -> str:
+    """Why the job of a `job.json` is certainly not running ("" if it may be), in well under a
+    second: its launcher process is gone (same host), or its Ray address does not accept connections
+    (ray.init would retry for minutes)."""
+    import socket
+
+    pid, host = job.get("pid"), job.get("host")
+    if isinstance(pid, int) and host in (None, socket.gethostname()):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"its launcher (pid {pid}) has exited"
+        except PermissionError:
+            pass
+    from asyncrl.runtime import StartupError, _check_reachable
+
+    try:
+        _check_reachable(str(job.get("ray_address", "")), timeout_s=3.0)
+    except StartupError as exc:
+        return str(exc)
+    return ""
+
+
+def _last_seen(run_dir: Path, job: dict) -> str:
+    """When the job last wrote anything: its newest metrics row, else its start."""
+    times = [p.stat().st_mtime for p in (run_dir / "metrics.jsonl", run_dir / "job.json") if p.exists()]
+    when = max(times + [float(job.get("started", 0.0))])
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}, {time.time() - when:.0f} s ago"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     job = json.loads(job_file.read_text())
     cmd_args: dict = {}
+    command = args.command
     if args.command == "scale":
         if args.n < 0:
             print("error: scale N needs N >= 0", file=sys.stderr)
@@ -74,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         cmd_args = {"verifier": new.verifier.model_dump(mode="json")}
+        if args.dry_run:
+            command, cmd_args = "dry-run-verifier", {**cmd_args, "last": args.last}
 
+    stale = _not_running(job)
+    if stale:
+        print(f"error: the job of {run_dir} is not running (last seen {_last_seen(run_dir, job)}): {stale}",
+              file=sys.stderr)
+        return 2
     if job.get("ray_auth_mode"):
         os.environ.setdefault("RAY_AUTH_MODE", job["ray_auth_mode"])  # token in ~/.ray/auth_token
     import ray
@@ -95,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(format_status(status))
         return 0
-    cid = ray.get(coordinator.submit.remote(args.command, cmd_args), timeout=30)
+    cid = ray.get(coordinator.submit.remote(command, cmd_args), timeout=30)
     deadline = time.time() + args.timeout
     while time.time() < deadline:
         result = ray.get(coordinator.result.remote(cid), timeout=30)

@@ -73,6 +73,18 @@ class MetricLogger:
             self._wandb.finish()
 
 
+def effective_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The effective history of a `metrics.jsonl` that went through resumes: a `resumed_from` row
+    at step K discards the rows logged before it for steps after K (they were trained again)."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if "resumed_from" in row:
+            out = [r for r in out if int(r.get("step", 0)) <= int(row.get("step", 0))]
+        else:
+            out.append(row)
+    return out
+
+
 def _expand_hist(counts: list[float]) -> list[float]:
     """`[c0, c1, ...]` counts per lag -> samples for TensorBoard's histogram."""
     out: list[float] = []

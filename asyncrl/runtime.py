@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -92,6 +93,8 @@ class Topology:
     actor_cls: Any = None
     next_actor_index: int = 0
     weight_address: str = ""
+    hosts: dict[str, str] = field(default_factory=dict)  # component -> node address (error messages)
+    rows_ref: Any = None  # the training rows in the object store (the coordinator's constructor argument)
 
     def shutdown(self) -> None:
         import ray
@@ -128,6 +131,46 @@ class Topology:
         if self.coordinator is not None:
             ray.kill(self.coordinator)
             self.coordinator = None
+
+
+def describe_failure(topo: Topology, exc: BaseException) -> tuple[str, str, str]:
+    """(component, host, reason) of the failure behind `exc`: the Ray actor that died, named by
+    its role in the job, or the driver itself."""
+    import ray
+
+    dead = getattr(exc, "actor_id", None) if isinstance(exc, ray.exceptions.RayActorError) else None
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if dead:
+        roles: dict[str, tuple[str, str]] = {}
+        for name, handle, host_key in (("the replay buffer (BufferHost)", topo.buffer, "buffer"),
+                                       ("the coordinator", topo.coordinator, "coordinator")):
+            if handle is not None:
+                roles[handle._actor_id.hex()] = (name, topo.hosts.get(host_key, "?"))
+        if topo.learner is not None:
+            for r, a in enumerate(topo.learner.actors):
+                hosts = getattr(topo.learner, "hosts", [])
+                roles[a._actor_id.hex()] = (f"learner rank {r}", hosts[r] if r < len(hosts) else "?")
+        for aid, a in topo.actors.items():
+            roles[a._actor_id.hex()] = (f"rollout actor {aid}", "?")
+        name, host = roles.get(str(dead), (f"Ray actor {dead}", "?"))
+        return name, host, reason
+    # Seen first by the driver (e.g. a buffer request timed out): which service is gone, if any?
+    probes = [("the replay buffer (BufferHost)", topo.buffer, "where", topo.hosts.get("buffer", "?")),
+              ("the coordinator", topo.coordinator, "where", topo.hosts.get("coordinator", "?"))]
+    if topo.learner is not None:
+        hosts = getattr(topo.learner, "hosts", [])
+        probes += [(f"learner rank {r}", a, "node_address", hosts[r] if r < len(hosts) else "?")
+                   for r, a in enumerate(topo.learner.actors)]
+    for name, handle, method, host in probes:
+        if handle is None:
+            continue
+        try:
+            ray.get(getattr(handle, method).remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return name, host, f"{reason}; the process is gone"
+        except Exception:  # noqa: BLE001 - slow to answer is not dead
+            continue
+    return "the trainer (driver)", os.uname().nodename, reason
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -228,17 +271,27 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         with step_timer("data"):
             rows = load_rows(cfg.data.train_files, cfg.data)
             cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
+        # Stateful services survive their own death: Ray restarts them (and retries the calls made
+        # to them); each reads its state back from `state/` (on the driver's node, where they run).
+        state_dir = run_dir / "state"
+        state_dir.mkdir(exist_ok=True)
+        restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
+                        scheduling_strategy=_on_this_node())
         with step_timer("coordinator"):
+            # held by the driver for the job's life: a restarted coordinator is built from it again
+            topo.rows_ref = ray.put(rows)
             topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
                 name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
-                resources=cfg.cluster.resources.get("coordinator")).remote(
-                rows, cfg.data.model_dump_json(),
-                stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None)
-            ray.get(topo.coordinator.get_state.remote(), timeout=timeout)
+                resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
+                topo.rows_ref, cfg.data.model_dump_json(),
+                stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
+                buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
+            topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
         with step_timer("replay buffer"):
-            topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer")).remote(
-                cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, cfg.cluster.port_range)
+            topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
+                cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
             topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+            topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
             say(f"  replay buffer listening at {topo.buffer_address}")
             snap = resume / "buffer" / "groups.snapshot" if resume else None
             if snap is not None and snap.exists():
@@ -268,6 +321,15 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         topo.shutdown()
         raise
     return topo
+
+
+def _on_this_node() -> Any:
+    """Scheduling on the driver's node, not elsewhere: the stateful services keep their durable
+    state on its local disk, so a restart must come back there (and on the same address)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def probe_verifier(cfg: Config) -> None:
@@ -386,13 +448,15 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         topo = build_topology(cfg, run_dir, resume)
         (run_dir / "job.json").write_text(json.dumps({
             "ray_address": ray.get_runtime_context().gcs_address, "namespace": namespace,
-            "coordinator": "coordinator", "pid": os.getpid(), "started": time.time(),
+            "coordinator": "coordinator", "pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
             "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}))
         from asyncrl.trainer import Trainer
 
         trainer = Trainer(cfg, topo, run_dir, stop, resume)
         try:
             return trainer.train()
+        except Exception as exc:  # noqa: BLE001 - a component died: one message, a checkpoint, exit 3
+            return trainer.on_failure(exc)
         finally:
             trainer.close()  # before the topology goes: nothing of the run is left to the GC
     except StartupError as exc:

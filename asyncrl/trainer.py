@@ -47,6 +47,13 @@ class Trainer:
 
         curve = cfg.buffer.curve if cfg.buffer.curve.enable else None  # the learner is a client like the actors
         self.buffer_client = BufferClient(topo.buffer_address, curve, actor_id="learner")
+        self._trained_recent: dict[int, None] = {}  # prompt indices trained lately (ordered set)
+        self._seen = {"buffer/restarts": 0, "coordinator/restarts": 0}
+        self._lengths: dict[str, list[float]] = {"dropped": [], "trained": []}
+        self._reissued_stale = 0
+        self.duplicates_dropped = 0
+        if resume is not None:
+            self._mark_resume(resume)
         self.t_start = time.time()
         self._failures: dict[str, tuple[str, int]] = {}  # actor -> (error signature, times in a row)
         self._first_step = self.step  # steps of this process (a resumed run starts later): for the ETA
@@ -72,7 +79,12 @@ class Trainer:
         self._t_loop = time.time()  # the ETA counts training time only (not start-up or the first evaluation)
         rc = 0
         while self.step < cfg.trainer.max_steps and not self.stop.requested:
-            metrics = self.train_one_step()
+            try:
+                metrics = self.train_one_step()
+            except Exception as exc:  # noqa: BLE001 - a dead learner rank is recovered in the job if possible
+                if not self.recover_learner(exc):
+                    raise
+                continue
             if metrics is None:
                 break
             self.step += 1
@@ -142,16 +154,26 @@ class Trainer:
         if not groups:  # stopping while waiting: nothing taken from the buffer, nothing to train
             return None
         self._last_groups = groups
+        self._taken = groups  # taken from the buffer, not trained yet (re-issued if the learner dies now)
         # (a partial batch only happens while stopping: it is trained rather than lost)
         lags = [self.version - g.min_version for g in groups]
         self._last_lags = lags
         learner_metrics = topo.learner.step(groups)
         t1 = time.time()
+        # Trained from here on: if the step fails before its row is logged, the error path logs it
+        # (the learner's state includes it) and no checkpoint may list these prompts as pending.
+        for g in groups:
+            self._trained_recent[int(g.metadata.get("prompt_index", -1))] = None
+        self._pending_row = {**learner_metrics, **_batch_metrics(groups, lags, cfg.buffer.max_staleness)}
         self.version = int(learner_metrics.get("train/version", self.version + 1))
         self.heal_actors()  # a dead engine found now is withdrawn before the broadcast waits for it
         sync = sync_weights(topo)
         t2 = time.time()
-        ray.get(topo.coordinator.set_version.remote(self.version))
+        trained = [int(g.metadata.get("prompt_index", -1)) for g in groups]
+        while len(self._trained_recent) > 8192:
+            self._trained_recent.pop(next(iter(self._trained_recent)))
+        coord = ray.get(topo.coordinator.set_version.remote(self.version, [i for i in trained if i >= 0]))
+        self._taken = []
         wait_s = t_batch - t0
         step_s = t2 - t0
         tokens = int(sum(int(s.response_mask.sum()) for g in groups for s in g.samples))
@@ -161,6 +183,8 @@ class Trainer:
         self.totals["trained_tokens"] += tokens
         metrics = dict(learner_metrics)
         metrics.update(ray.get(topo.buffer.stats.remote()))
+        metrics.update(self._recovery_checks(metrics, coord or {}))
+        metrics.update(self._length_metrics(groups))
         metrics.update(self._rollout_stats())
         metrics.update(_batch_metrics(groups, lags, cfg.buffer.max_staleness))
         report = sync.get("report") or {}
@@ -181,6 +205,7 @@ class Trainer:
         })
         for aid in sync.get("dropped", []):
             say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")
+        self._pending_row = None
         return metrics
 
     def _get_batch(self, num_groups: int, timeout_s: float) -> list[Any]:
@@ -192,7 +217,10 @@ class Trainer:
             left = deadline - time.time()
             if left <= 0 or self.stop.requested:
                 break
-            groups += self.buffer_client.get_batch(num_groups - len(groups), self.version, timeout_s=min(left, 30.0))
+            got = self.buffer_client.get_batch(num_groups - len(groups), self.version, timeout_s=min(left, 30.0))
+            fresh = [g for g in got if int(g.metadata.get("prompt_index", -1)) not in self._trained_recent]
+            self.duplicates_dropped += len(got) - len(fresh)  # re-delivered across a buffer restart
+            groups += fresh
             if len(groups) < num_groups:
                 self.heal_actors()
         if len(groups) < num_groups and not self.stop.requested:
@@ -291,9 +319,12 @@ class Trainer:
                 self._count_failure(aid, exc)
                 say(f"{aid} died ({type(exc).__name__}); re-issuing its prompts and restarting it")
             lost = ray.get(self.topo.coordinator.abandon_actor.remote(aid))
+            released = ray.get(self.topo.buffer.release_actor.remote(aid))  # its admission tickets
+            if released:
+                say(f"  released {released} admission ticket(s) held by {aid}")
             self.loops.pop(aid)
             try:
-                report = ray.get(self.topo.actors[aid].start.remote(), timeout=self.cfg.cluster.startup_timeout_s)
+                report = self._start_restarted(aid)
                 say(f"{aid} restarted at weights v{report['version']} ({lost} prompt(s) re-issued)")
                 self._start_loop(aid)
                 changed = True
@@ -324,6 +355,175 @@ class Trainer:
             raise RepeatedFailure(f"{aid} on host {host} failed {count} times in a row with the same error "
                                   f"({text}){where}; stopping instead of restarting it again "
                                   "(python -m asyncrl.doctor --config ... checks every address from every node)")
+
+    # ------------------------------------------------------------------ faults
+    def _mark_resume(self, resume: Path) -> None:
+        """A `resumed_from` row in metrics.jsonl: the steps after the checkpoint's are trained again
+        (readers keep, for each step, the row after the newest marker: asyncrl.metrics.effective_rows)."""
+        path = self.run_dir / "metrics.jsonl"
+        last = 0
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    last = max(last, int(json.loads(line).get("step", 0)))
+                except (ValueError, AttributeError):
+                    continue
+        row = {"step": self.step, "time": time.time(), "resumed_from": str(resume),
+               "rolled_back_steps": max(0, last - self.step)}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if last > self.step:
+            say(f"resumed from {resume} (step {self.step}): steps {self.step + 1}..{last} are trained again")
+
+    def _recovery_checks(self, m: dict[str, Any], coord: dict[str, Any]) -> dict[str, Any]:
+        """Announces a restarted buffer host / coordinator once, re-issues the prompts whose groups
+        died with the buffer (none when its durable log is on) and those of stale-dropped groups."""
+        import ray
+
+        topo = self.topo
+        restarts = int(m.get("buffer/restarts", 0))
+        if restarts > self._seen["buffer/restarts"]:
+            self._seen["buffer/restarts"] = restarts
+            lost = ray.get(topo.coordinator.reissue_lost.remote(ray.get(topo.buffer.prompt_indices.remote())))
+            say(f"the replay buffer (BufferHost) on {topo.hosts.get('buffer', '?')} died and was restarted by Ray "
+                f"at {topo.buffer_address} (restart {restarts}): recovering; "
+                f"{int(m.get('buffer/recovered_groups', 0))} group(s) recovered from its durable log, "
+                f"{len(lost)} prompt(s) re-issued; rollout actors and the learner reconnected by themselves")
+        c_restarts = int(coord.get("restarts", 0))
+        if c_restarts > self._seen["coordinator/restarts"]:
+            self._seen["coordinator/restarts"] = c_restarts
+            say(f"the coordinator on {topo.hosts.get('coordinator', '?')} died and was restarted by Ray "
+                f"(restart {c_restarts}): recovering; cursor and in-flight prompts restored from its state file")
+        out: dict[str, Any] = {f"coordinator/{k}": float(v) for k, v in coord.items()}
+        dropped = ray.get(topo.buffer.take_dropped.remote())
+        if dropped and self.cfg.buffer.reissue_stale:
+            self._reissued_stale += ray.get(topo.coordinator.reissue.remote([i for i, _ in dropped], "stale"))
+        self._lengths["dropped"] += [float(n) for _, n in dropped]
+        out["buffer/reissued_stale"] = float(self._reissued_stale)
+        out["train/duplicates_dropped"] = float(self.duplicates_dropped)
+        return out
+
+    def _length_metrics(self, groups: list[Any]) -> dict[str, Any]:
+        """Length (mean policy tokens per sample) of trained vs stale-dropped groups, over the run:
+        a drop policy that favours short prompts shows up as dropped lengths above trained ones."""
+        import numpy as np
+
+        for g in groups:
+            n = len(g.samples) or 1
+            self._lengths["trained"].append(sum(float(np.asarray(s.response_mask).sum()) for s in g.samples) / n)
+        out: dict[str, Any] = {}
+        for kind, prefix in (("trained", "train/group_len"), ("dropped", "buffer/dropped_len")):
+            values = self._lengths[kind][-20000:]
+            self._lengths[kind] = values
+            if values:
+                out[f"{prefix}_mean"] = float(np.mean(values))
+                out[f"{prefix}_p50"], out[f"{prefix}_p90"] = (float(q) for q in np.percentile(values, [50, 90]))
+            out[f"{prefix}_count"] = float(len(values))
+        return out
+
+    _taken: list[Any] = []
+    _learner_recoveries = 0
+    _pending_row: dict[str, Any] | None = None
+
+    def recover_learner(self, exc: BaseException) -> bool:
+        """A learner rank died: rebuild the learner group in this job from the newest checkpoint
+        (the fleet, the verifier and the buffer keep running), train the rolled-back steps' prompts
+        again, and go on. False when this is not a learner death or it cannot be recovered here
+        (the error path then stops the job for a resume)."""
+        import ray
+
+        from asyncrl.learner.checkpoint import latest_checkpoint
+        from asyncrl.runtime import describe_failure
+
+        component, host, reason = describe_failure(self.topo, exc)
+        limit = self.cfg.cluster.max_restarts
+        if (not component.startswith("learner") or not self.cfg.trainer.recover_learner
+                or (limit >= 0 and self._learner_recoveries >= limit)):
+            return False
+        self._learner_recoveries += 1
+        topo, t0 = self.topo, time.time()
+        newest = latest_checkpoint(self.run_dir / "checkpoints")
+        k = int(json.loads((newest / "run_state.json").read_text())["step"]) if newest else 0
+        say(f"{component} on {host} died ({reason}); recovering: rebuilding the learner group in this job from "
+            f"{newest or 'the initial model'} (steps {k + 1}..{self.step} are trained again); rollout actors, "
+            "verifier and buffer keep running")
+        try:
+            topo.learner.rebuild(newest)
+            label = max(self.version, topo.learner.version) + 1  # a version number never names two policies
+            topo.learner.set_version(label)
+            topo.weight_address = topo.learner.start_weight_sender(port=self.cfg.learner.weights.port, publish=True)
+            enrol(topo, [a for a in self.loops if a in topo.actors])
+            sync_weights(topo)
+        except Exception as exc2:  # noqa: BLE001 - cannot rebuild here (e.g. the node is gone): stop for a resume
+            say(f"the learner group could not be rebuilt in this job ({type(exc2).__name__}: {exc2})")
+            raise exc2 from exc
+        redo = [int(i) for r in self.logger.rows if int(r.get("step", 0)) > k for i in r.get("train/prompt_indices", [])]
+        redo += [int(g.metadata.get("prompt_index", -1)) for g in self._taken]
+        redo = [i for i in redo if i >= 0]
+        for i in redo:
+            self._trained_recent.pop(i, None)
+        ray.get(topo.coordinator.untrain.remote(redo))
+        ray.get(topo.coordinator.set_version.remote(label))
+        ray.get(topo.buffer.set_version.remote(label))
+        self.logger.rows = [r for r in self.logger.rows if int(r.get("step", 0)) <= k]
+        self._taken, self._pending_row = [], None
+        self.step, self.version = k, label
+        self._mark_resume(newest if newest else Path("initial model"))
+        say(f"learner recovered in {time.time() - t0:.1f}s: step {k}, weights v{label}, {len(redo)} prompt(s) "
+            "re-issued")
+        return True
+
+    def on_failure(self, exc: BaseException) -> int:
+        """A component died and the job cannot go on: one line naming it, its host and what happens,
+        the traceback to `error.log`, then a checkpoint of everything still alive. Returns the exit
+        status (3: restart with trainer.resume=auto)."""
+        import traceback
+
+        from asyncrl.runtime import describe_failure
+
+        component, host, reason = describe_failure(self.topo, exc)
+        log = self.run_dir / "error.log"
+        log.write_text("".join(traceback.format_exception(exc)))
+        learner_alive = not component.startswith("learner")
+        plan = ("writing a checkpoint of the learner, buffer and cursor" if learner_alive else
+                "the learner's state is gone: the newest checkpoint is what a resume starts from")
+        verb = "failed" if component.startswith("the trainer") else "died"
+        say(f"{component} on {host} {verb} ({reason}); stopping at step {self.step}: {plan}, then exiting "
+            f"with status 3 (restart with trainer.resume=auto). Traceback: {log}")
+        if learner_alive and self._pending_row is not None:  # the learner trained this step: it counts
+            self.step += 1
+            self.logger.log(self.step, {**self._pending_row, "error": f"{component} died during this step"})
+            self._pending_row = None
+        if learner_alive:
+            try:
+                self.checkpoint(emergency=True)
+            except Exception as exc2:  # noqa: BLE001 - already failing; say what could not be written
+                say(f"the emergency checkpoint could not be written: {type(exc2).__name__}: {exc2}")
+        from asyncrl.learner.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(self.run_dir / "checkpoints")
+        say(f"newest checkpoint: {newest if newest else 'none (a resume starts from scratch)'}")
+        try:
+            self.logger.close()
+        except Exception:  # noqa: BLE001
+            pass
+        return 3
+
+    def _start_restarted(self, aid: str) -> dict[str, Any]:
+        """`start()` on an actor Ray is restarting: "temporarily unavailable" while its new process
+        comes up is waited out (up to cluster.startup_timeout_s), not taken for a failed restart."""
+        import ray
+
+        actor, deadline = self.topo.actors[aid], time.time() + self.cfg.cluster.startup_timeout_s
+        while True:  # a cheap call first: `start` is sent once, to the new process
+            try:
+                ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.time()))
+                break
+            except ray.exceptions.ActorUnavailableError:
+                if time.time() >= deadline:
+                    raise
+                time.sleep(1.0)
+        return ray.get(actor.start.remote(), timeout=max(1.0, deadline - time.time()))
 
     # ------------------------------------------------------------------ ctl commands
     def handle_commands(self) -> None:
@@ -369,6 +569,12 @@ class Trainer:
             self.cfg = cfg
         return report
 
+    def cmd_dry_run_verifier(self, verifier: dict[str, Any], last: int = 64) -> dict[str, Any]:
+        """What swapping to `verifier` would change, on the job's last stored verifier requests."""
+        from asyncrl.serve.dryrun import dry_run
+
+        return dry_run(VerifierConfig.model_validate(verifier), last, self.cfg.rollout.guide.stop_token)
+
     def cmd_checkpoint(self) -> dict[str, Any]:
         path = self.checkpoint()
         return {"ok": True, "path": str(path), "step": self.step, "version": self.version}
@@ -378,17 +584,38 @@ class Trainer:
         return {"ok": True, "message": f"stopping after step {self.step}"}
 
     # ------------------------------------------------------------------ checkpoints and evaluation
-    def checkpoint(self) -> Path:
+    def checkpoint(self, emergency: bool = False) -> Path:
         """Learner state + buffer snapshot + data cursor, written atomically by the learner's
-        checkpoint writer (the buffer and cursor go into its staging directory first)."""
+        checkpoint writer (the buffer and cursor go into its staging directory first). `emergency`
+        (the error path): a dead buffer or coordinator is skipped (its prompts re-issued on resume)."""
         import ray
 
         topo = self.topo
 
         def extra(staging: Path) -> None:
             (staging / "buffer").mkdir(exist_ok=True)
-            ray.get(topo.buffer.snapshot.remote(str((staging / "buffer" / "groups.snapshot").resolve())))
-            cursor = ray.get(topo.coordinator.cursor_state.remote())
+            # The snapshot first, then the cursor derived from what it holds: consistent while
+            # rollouts continue (a prompt completed in between is re-issued, not lost or doubled).
+            try:
+                indices = ray.get(topo.buffer.snapshot_indices.remote(
+                    str((staging / "buffer" / "groups.snapshot").resolve())), timeout=None if not emergency else 120)
+            except Exception as exc:  # noqa: BLE001 - only on the error path: the buffer is gone
+                if not emergency:
+                    raise
+                say(f"  buffer snapshot not written ({type(exc).__name__}): its prompts are re-issued on resume")
+                (staging / "buffer" / "groups.snapshot").unlink(missing_ok=True)
+                indices = []
+            try:
+                cursor = ray.get(topo.coordinator.cursor_state.remote(indices), timeout=None if not emergency else 120)
+            except Exception as exc:  # noqa: BLE001 - only on the error path: the coordinator is gone
+                if not emergency:
+                    raise
+                from asyncrl.coordinator import cursor_from_state_file
+
+                say(f"  coordinator gone ({type(exc).__name__}): cursor taken from its state file")
+                cursor = cursor_from_state_file(self.run_dir / "state" / "coordinator.json", indices)
+            # a prompt the learner trained is never pending, whatever the coordinator heard yet
+            cursor["reissue"] = [i for i in cursor["reissue"] if int(i) not in self._trained_recent]
             (staging / "data_cursor.json").write_text(json.dumps(cursor))
             (staging / "run_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
                                                                 "actors": len(topo.actors)}))

@@ -50,6 +50,7 @@ class RolloutWorker:
         self._running = False
         self._tasks: set[asyncio.Task] = set()
         self._paused_for_weights = False
+        self._requests = 0
         # statistics since the last report
         self._stats = Counter()
         self._finish = Counter()
@@ -142,7 +143,8 @@ class RolloutWorker:
             if ticket is None:
                 self._idle_s += time.time() - t_wait
                 continue
-            prompt = await self.coordinator.next_prompt.remote(self.actor_id)
+            self._requests += 1  # request id: a call retried across a coordinator restart is answered once
+            prompt = await self.coordinator.next_prompt.remote(self.actor_id, f"{os.getpid()}-{self._requests}")
             if prompt is None:
                 await self._zmq_call(self.buffer.release_ticket, ticket)
                 await self._idle(0.1)

@@ -12,6 +12,9 @@ masks and per-token versions; ~0.3 MB each). Measured in one run, each in its ow
   ticket riding on the push's acknowledgement (one round trip per group when tickets are free). Full runs add `buffer_4_pushers` (4 threads pushing concurrently in one
   producer process) and `buffer_2_producers` (two producer processes). Latency = delivery time - the group's created_at
   (set just before the push), so it includes time spent waiting in the buffer.
+`buffer_durable` is the `buffer` path with the durable log on (`buffer.durable`, fsync before every
+acknowledgement; a full run adds `buffer_durable_fsync_never`), the log in a temporary directory on
+local disk; `durable_ratio` = its groups/s / the `buffer` path's, both from the same rounds.
 `ratio` = buffer groups/s / bare groups/s; MB/s counts the groups' array bytes (ids, masks,
 logprobs, versions), the same for every path. Also the encode and decode time of a 1 MB group.
 """
@@ -99,11 +102,11 @@ def _bare(n: int, seed: int, tokens: tuple[int, int], codec: bool) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------ buffer
-def _serve(cfg_json: str, batch_size: int, address_q: Any, stop: Any) -> None:
+def _serve(cfg_json: str, batch_size: int, address_q: Any, stop: Any, log_path: str | None = None) -> None:
     from asyncrl.config import BufferConfig
     from asyncrl.replay.server import ReplayBufferServer
 
-    server = ReplayBufferServer(BufferConfig.model_validate_json(cfg_json), batch_size=batch_size)
+    server = ReplayBufferServer(BufferConfig.model_validate_json(cfg_json), batch_size=batch_size, log_path=log_path)
     address_q.put(server.start())
     stop.wait(600)
     server.stop()
@@ -156,12 +159,20 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
 
 
 def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int,
-                    tokens: tuple[int, int], threads: int = 1) -> dict[str, float]:
+                    tokens: tuple[int, int], threads: int = 1, fsync: str | None = None) -> dict[str, float]:
+    """`fsync`: with the durable log (that fsync policy), in a temporary directory; None: without."""
+    import tempfile
+
     from asyncrl.replay.client import BufferClient
 
+    log_dir = tempfile.TemporaryDirectory(prefix="asyncrl-bench-wal-") if fsync else None
+    if fsync:
+        cfg = cfg.model_copy(update={"durable": cfg.durable.model_copy(update={"enable": True, "fsync": fsync})})
+    log_path = f"{log_dir.name}/buffer.wal" if log_dir else None
     spawn = mp.get_context("spawn")
     address_q, stop, go, stop_producers = spawn.Queue(), spawn.Event(), spawn.Event(), spawn.Event()
-    server = spawn.Process(target=_serve, args=(cfg.model_dump_json(), batch_size, address_q, stop), daemon=True)
+    server = spawn.Process(target=_serve, args=(cfg.model_dump_json(), batch_size, address_q, stop, log_path),
+                           daemon=True)
     server.start()
     address = address_q.get(timeout=120)
     ready = spawn.Semaphore(0)
@@ -196,6 +207,8 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
         p.join(30)
     stop.set()
     server.join(30)
+    if log_dir is not None:
+        log_dir.cleanup()
     out = _figures(got, nbytes, elapsed, latencies)
     out["dropped_stale"] = stats["buffer/dropped_stale"]
     out["staleness_mean"] = stats["buffer/staleness_mean"]
@@ -241,11 +254,14 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "bare": lambda: _bare(n, 1, tokens, codec=False),
         "codec_pipe": lambda: _bare(n, 1, tokens, codec=True),
         "buffer": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1),
+        "buffer_durable": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1, fsync="always"),
     }
     if not smoke:
         paths[f"buffer_{PUSHERS}_pushers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 2, tokens,
                                                                      threads=PUSHERS)
         paths["buffer_2_producers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 2, 11, tokens)
+        paths["buffer_durable_fsync_never"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens,
+                                                                      threads=1, fsync="never")
     history: list[dict[str, Any]] = []
     for _ in range(rounds):
         history.append({name: fn() for name, fn in paths.items()})
@@ -254,14 +270,20 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "ratio": best["buffer"]["groups_per_s"] / best["bare"]["groups_per_s"],
         "ratio_vs_codec_pipe": best["buffer"]["groups_per_s"] / best["codec_pipe"]["groups_per_s"],
         "ratio_median": float(np.median([h["buffer"]["groups_per_s"] / h["bare"]["groups_per_s"] for h in history])),
+        "durable_ratio": best["buffer_durable"]["groups_per_s"] / best["buffer"]["groups_per_s"],
+        "durable_ratio_median": float(np.median([h["buffer_durable"]["groups_per_s"] / h["buffer"]["groups_per_s"]
+                                                 for h in history])),
         **best, "codec_1mb": codec, "rounds": history,
         "params": {"groups": n, "rounds": rounds, "samples_per_group": 8, "response_tokens": list(tokens),
                    "prompt_tokens": 256, "batch_size": batch_size, "max_staleness": cfg.buffer.max_staleness,
                    "producers": 1, "hwm": cfg.buffer.hwm, "smoke": smoke},
     }
     rows = [("ratio (buffer / bare groups/s, best rounds)", result["ratio"]),
-            ("ratio (median over rounds)", result["ratio_median"]), ("ratio vs codec pipe", result["ratio_vs_codec_pipe"])]
-    for name in ("bare", "codec_pipe", "buffer", f"buffer_{PUSHERS}_pushers", "buffer_2_producers"):
+            ("ratio (median over rounds)", result["ratio_median"]), ("ratio vs codec pipe", result["ratio_vs_codec_pipe"]),
+            ("durable log on / off groups/s (best | median)", f"{result['durable_ratio']:.3f} | "
+                                                              f"{result['durable_ratio_median']:.3f}")]
+    for name in ("bare", "codec_pipe", "buffer", "buffer_durable", "buffer_durable_fsync_never",
+                 f"buffer_{PUSHERS}_pushers", "buffer_2_producers"):
         if name in result:
             r = result[name]
             rows.append((f"{name}: groups/s | MB/s", f"{r['groups_per_s']:.1f} | {r['mb_per_s']:.1f}"))

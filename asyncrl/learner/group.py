@@ -62,6 +62,9 @@ class LearnerActor:
         if self.worker is not None:
             self.worker.close()
         self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
+        state = cfg.run_path / "state"
+        if state.is_dir():  # which process is which rank (fault drills)
+            (state / f"learner_rank_{rank}.pid").write_text(str(os.getpid()))
         return self.worker.version
 
     def train_step(self, frames: list[bytes]) -> dict[str, float]:
@@ -117,14 +120,16 @@ class LearnerActor:
     def version(self) -> int:
         return self.worker.version
 
+    def set_version(self, version: int) -> int:
+        self.worker.version = int(version)
+        return self.worker.version
+
 
 class LearnerGroup:
     """The learner job. `step(groups) -> metrics` (rank 0's), `version`, checkpoints, export."""
 
     def __init__(self, cfg: Config, name: str = "learner") -> None:
-        import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg = cfg
         lc = cfg.learner
@@ -134,7 +139,17 @@ class LearnerGroup:
             bundle["GPU"] = 1
         bundle.update(cfg.cluster.resources.get("learner", {}))  # e.g. pin the ranks to a node
         self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        timeout = cfg.cluster.startup_timeout_s
+        self._name = name
+        self._spawn()
+        self._setup(cfg)
+
+    def _spawn(self) -> None:
+        """One actor per rank in the placement group; rank 0's node + a free port is the rendezvous."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        lc = self.cfg.learner
+        timeout = self.cfg.cluster.startup_timeout_s
         ray.get(self._pg.ready(), timeout=timeout)
         env = {"DS_ACCELERATOR": "cuda" if lc.num_gpus > 0 else "cpu", "LOCAL_RANK": "0",
                "OMP_NUM_THREADS": str(max(1, int(lc.cpus_per_rank))), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
@@ -148,12 +163,31 @@ class LearnerGroup:
                 runtime_env={"env_vars": env_r},
             ).remote())
         addrs = ray.get([a.node_address.remote() for a in self.actors], timeout=timeout)
+        self.hosts = [a for a, _ in addrs]  # node address of each rank (error messages)
         master_addr, master_port = addrs[0]
         if len({a for a, _ in addrs}) == 1:
             master_addr = "127.0.0.1"  # one node: keep the rendezvous on loopback
         self._master = (master_addr, master_port)
-        self._name = name
-        self._setup(cfg)
+
+    def rebuild(self, checkpoint: str | os.PathLike[str] | None = None) -> int:
+        """A rank died: the survivors' collectives are broken, so every rank's process is replaced
+        (same placement group, fresh rendezvous), then the state is loaded from `checkpoint` (None:
+        the initial model). Returns the version. Raises if the ranks cannot be placed again (e.g.
+        their node is gone): then the job stops and is resumed from the checkpoint."""
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self._spawn()
+        self._setup(self.cfg)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
+        return self.version
+
+    def set_version(self, version: int) -> None:
+        """Relabels the current weights (after `rebuild`: a version number never names two policies)."""
+        self._all("set_version", int(version))
+        self.version = int(version)
 
     def _setup(self, cfg: Config) -> None:
         import ray

@@ -5,10 +5,16 @@
 wire and ZeroMQ settings: `asyncrl.replay.server`; snapshots: `asyncrl.replay.snapshot`.
 """
 
-from asyncrl.replay.client import BufferClient, BufferFull, BufferRequestError, BufferTimeout
+from asyncrl.replay.client import (
+           BufferClient,
+           BufferDisconnected,
+           BufferFull,
+           BufferRequestError,
+           BufferTimeout,
+)
 from asyncrl.replay.server import ReplayBufferServer
 from asyncrl.replay.snapshot import SnapshotError
 from asyncrl.replay.state import BufferState, UnknownTicket
 
-__all__ = ["BufferClient", "BufferFull", "BufferRequestError", "BufferState", "BufferTimeout",
+__all__ = ["BufferClient", "BufferDisconnected", "BufferFull", "BufferRequestError", "BufferState", "BufferTimeout",
            "ReplayBufferServer", "SnapshotError", "UnknownTicket"]

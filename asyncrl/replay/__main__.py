@@ -3,6 +3,8 @@
 Prints `address: tcp://...` once bound (and writes it to --address-file if given), then serves until
 SIGINT/SIGTERM. Uses `cfg.buffer` and B = `cfg.data.rollout_batch_size` (or --batch-size).
 `--restore PATH` loads a snapshot before serving; `--snapshot-on-exit PATH` writes one at shutdown.
+`--log PATH` keeps the durable log there (`buffer.durable`); `--recover` rebuilds the state from it
+(a restart after the previous server died; pass the same `buffer.port`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--address-file", default=None, help="write the bound address to this file")
     serve.add_argument("--restore", default=None, help="snapshot to load before serving")
     serve.add_argument("--snapshot-on-exit", default=None, help="snapshot to write at shutdown")
+    serve.add_argument("--log", default=None, help="durable log file (acknowledged groups survive a crash)")
+    serve.add_argument("--recover", action="store_true", help="rebuild the state from --log before serving")
     args = parser.parse_args(argv)
     cfg = config_from_args(args, require_files=False)
 
     from asyncrl.replay.server import ReplayBufferServer
 
-    server = ReplayBufferServer(cfg.buffer, batch_size=args.batch_size or cfg.data.rollout_batch_size)
+    server = ReplayBufferServer(cfg.buffer, batch_size=args.batch_size or cfg.data.rollout_batch_size,
+                                log_path=args.log, recover=args.recover)
     if args.restore:
         server.restore(args.restore)
     address = server.start()

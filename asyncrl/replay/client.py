@@ -9,6 +9,13 @@ explicitly dropped/refused). When an acknowledgement does not arrive in time the
 again with the same ticket, and the server answers ``duplicate`` instead of storing twice (pushes
 without a ticket are not deduplicated). A batch reply arriving after its request timed out is kept
 and returned by the next `get_batch`, so no delivered group is lost on the client side either.
+
+Reconnection: a buffer process that dies is restarted on the same address (asyncrl.replay.host);
+ZeroMQ reconnects by itself, and a request whose connection dropped while it waited for its reply
+is sent again at once (`BufferDisconnected`, seen on the socket's monitor) instead of waiting for
+its deadline, for up to `reconnect_s`. Every request is safe to resend: pushes carry their ticket
+(answered ``duplicate`` if the first copy was stored and logged), a ticket granted to a reply that
+never arrived is given back when the reply does arrive, or expires with its lease.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ class BufferTimeout(TimeoutError):
     """No reply from the server before the deadline (server down or unreachable)."""
 
 
+class BufferDisconnected(BufferTimeout):
+    """The connection to the server dropped while a request waited for its reply (server died)."""
+
+
 def _close_sockets(sockets: list[zmq.Socket], lock: threading.Lock, ctx: zmq.Context) -> None:
     with lock:
         for sock in sockets:
@@ -74,11 +85,15 @@ def _close_sockets(sockets: list[zmq.Socket], lock: threading.Lock, ctx: zmq.Con
 
 class BufferClient:
     def __init__(self, address: str, curve: CurveConfig | None = None, *, actor_id: str = "",
-                 hwm: int = 64, reply_grace_s: float = 30.0, max_frame_bytes: int = 256 * 2**20) -> None:
-        """`reply_grace_s`: extra time a call waits beyond its own timeout for the server to answer."""
+                 hwm: int = 64, reply_grace_s: float = 30.0, max_frame_bytes: int = 256 * 2**20,
+                 reconnect_s: float = 120.0) -> None:
+        """`reply_grace_s`: extra time a call waits beyond its own timeout for the server to answer;
+        `reconnect_s`: how long requests are resent while the server is restarting."""
         self.address, self.curve = address, curve
         self.actor_id = actor_id or f"pid{os.getpid()}"
         self.hwm, self.reply_grace_s, self.max_frame_bytes = hwm, reply_grace_s, max_frame_bytes
+        self.reconnect_s = reconnect_s
+        self.disconnects = 0  # requests resent because the server's connection dropped
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
@@ -112,15 +127,44 @@ class BufferClient:
                 public, secret = zmq.auth.load_certificate(self.curve.client_secret_key_file)
                 server_public, _ = zmq.auth.load_certificate(self.curve.server_public_key_file)
                 sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, server_public
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.address)
-            self._local.sock = sock
+            self._local.sock, self._local.mon = sock, mon
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+            self._local.poller = poller
             with self._lock:
-                self._sockets.append(sock)
+                self._sockets.extend([mon, sock])
         return sock
+
+    def _disconnected(self) -> bool:
+        """Consumes pending monitor events; True if the connection dropped since the last call."""
+        mon, dropped = self._local.mon, False
+        while True:
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return dropped
+            event, _ = struct.unpack("=hi", frames[0][:6])
+            dropped |= event == zmq.EVENT_DISCONNECTED
+
+    def _resending(self, call):
+        """Runs `call()`, sending it again while the server's connection drops (restart)."""
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            try:
+                return call()
+            except BufferDisconnected:
+                self.disconnects += 1
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
 
     def _request(self, msg: Any, extra: list[Any] = (), wait_s: float = 0.0) -> tuple[Any, list[zmq.Frame]]:
         """Sends one request and returns (reply, extra frames); raises BufferTimeout after wait_s + grace."""
         sock = self._sock()
+        self._disconnected()  # a drop before this request does not concern it
         rid = struct.pack("<Q", next(self._rids))
         try:
             sock.send_multipart([rid, encode(msg), *extra], copy=len(extra) == 0)
@@ -129,9 +173,14 @@ class BufferClient:
         deadline = time.monotonic() + wait_s + self.reply_grace_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            ready = dict(self._local.poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if not ready:
                 raise BufferTimeout(f"no reply from {self.address} to {type(msg).__name__} within "
                                     f"{wait_s + self.reply_grace_s:.1f}s")
+            if sock not in ready:
+                if self._disconnected():
+                    raise BufferDisconnected(f"connection to {self.address} dropped during {type(msg).__name__}")
+                continue
             frames = sock.recv_multipart(copy=False)
             reply = decode(frames[1].buffer)
             if frames[0].bytes == rid:
@@ -150,14 +199,15 @@ class BufferClient:
     # ---------------------------------------------------------------------------- producer API
     def acquire_ticket(self, timeout_s: float = 0.0) -> int | None:
         """Admission ticket id, or None if none was granted within timeout_s."""
-        reply, _ = self._request(TicketRequest(self.actor_id, float(timeout_s)), wait_s=timeout_s)
+        reply, _ = self._resending(lambda: self._request(TicketRequest(self.actor_id, float(timeout_s)),
+                                                         wait_s=timeout_s))
         assert isinstance(reply, TicketReply)
         self._local.version = reply.version
         return reply.ticket if reply.ticket >= 0 else None
 
     def release_ticket(self, ticket: int) -> bool:
         """Gives back the ticket of an abandoned group; False if it was no longer in flight."""
-        reply, _ = self._request(TicketRelease(int(ticket)))
+        reply, _ = self._resending(lambda: self._request(TicketRelease(int(ticket))))
         return isinstance(reply, Ack) and reply.detail == "released"
 
     def push(self, group: Group | bytes, ticket: int | None = None, *, block_s: float = 60.0,
@@ -171,9 +221,16 @@ class BufferClient:
         blob = group if isinstance(group, (bytes, memoryview)) else encode(group)
         msg = Push(-1 if ticket is None else int(ticket), want_ticket)
         deadline, backoff = time.monotonic() + block_s, 0.005
+        reconnect_deadline = time.monotonic() + self.reconnect_s
         while True:
             try:
                 reply, _ = self._request(msg, [blob], wait_s=attempt_s - self.reply_grace_s)
+            except BufferDisconnected:
+                if time.monotonic() >= max(deadline, reconnect_deadline) or ticket is None:
+                    raise
+                self.disconnects += 1
+                time.sleep(0.05)
+                continue
             except BufferTimeout:
                 if time.monotonic() >= deadline or ticket is None:
                     raise
@@ -191,10 +248,14 @@ class BufferClient:
     def _reset_socket(self) -> None:
         sock = getattr(self._local, "sock", None)
         if sock is not None:
+            mon = self._local.mon
             with self._lock:
                 self._sockets.remove(sock)
+                self._sockets.remove(mon)
+            sock.disable_monitor()
+            mon.close(linger=0)
             sock.close(linger=0)
-            self._local.sock = None
+            self._local.sock = self._local.mon = self._local.poller = None
 
     # ---------------------------------------------------------------------------- learner API
     def get_batch(self, num_groups: int, version: int, timeout_s: float = 60.0) -> list[Group]:
@@ -204,8 +265,8 @@ class BufferClient:
         del self._stash[:num_groups]
         if len(out) == num_groups:
             return out
-        reply, frames = self._request(BatchRequest(num_groups - len(out), int(version), float(timeout_s)),
-                                      wait_s=timeout_s)
+        reply, frames = self._resending(lambda: self._request(
+            BatchRequest(num_groups - len(out), int(version), float(timeout_s)), wait_s=timeout_s))
         assert isinstance(reply, BatchReply)
         self._local.version = reply.version
         for f in frames:
@@ -218,11 +279,11 @@ class BufferClient:
         return out + extra
 
     def set_version(self, version: int) -> None:
-        self._request(SetVersion(int(version)))
+        self._resending(lambda: self._request(SetVersion(int(version))))
 
     # ---------------------------------------------------------------------------- admin
     def stats(self) -> dict[str, float]:
-        reply, _ = self._request(StatsRequest())
+        reply, _ = self._resending(lambda: self._request(StatsRequest()))
         assert isinstance(reply, StatsReply)
         return reply.stats
 

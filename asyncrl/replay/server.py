@@ -65,7 +65,8 @@ from asyncrl.protocol import (
     encode,
 )
 from asyncrl.replay.snapshot import SnapshotError, read_snapshot, write_snapshot
-from asyncrl.replay.state import BufferState, UnknownTicket
+from asyncrl.replay.state import BufferState, StoredGroup, UnknownTicket
+from asyncrl.replay.wal import BufferLog
 
 log = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 1 << 20
@@ -82,9 +83,14 @@ class _Waiter:
 
 class ReplayBufferServer:
     """`start()` binds and serves in a daemon thread; `stats()`, `snapshot()`, `restore()`,
-    `set_version()` may also be called in-process (they take the state lock)."""
+    `set_version()` may also be called in-process (they take the state lock).
 
-    def __init__(self, cfg: BufferConfig, batch_size: int, port_range: str | None = None) -> None:
+    `log_path` (with `cfg.durable.enable`): every acknowledged change is appended to a durable log
+    there (asyncrl.replay.wal) before its acknowledgement is sent; `recover=True` rebuilds the state
+    from that log (a restarted buffer process), otherwise the log starts empty."""
+
+    def __init__(self, cfg: BufferConfig, batch_size: int, port_range: str | None = None,
+                 log_path: str | None = None, recover: bool = False) -> None:
         self.cfg = cfg
         self.port_range = port_range
         self.max_frame_bytes = int(cfg.max_frame_mb * 2**20)
@@ -102,6 +108,18 @@ class ReplayBufferServer:
         self._tickets: deque[_Waiter] = deque()
         self._batches: deque[_Waiter] = deque()
         self._auth: Any = None
+        self.log: BufferLog | None = None
+        self._logged = -1
+        if log_path is not None and cfg.durable.enable:
+            d = cfg.durable
+            self.log = BufferLog(log_path, d.fsync, d.fsync_interval_s, int(d.compact_min_mb * 2**20))
+            header, groups = self.log.replay() if recover else (None, [])
+            if header is not None:
+                self.state.recover(header, groups, lease_cap_s=d.restored_lease_s)
+                self.state.counters["recovered_groups"] += len(groups)
+            if recover:
+                self.state.counters["restarts"] += 1
+            self._compact()
 
     # ---------------------------------------------------------------------------- lifecycle
     def start(self, timeout_s: float = 10.0) -> str:
@@ -130,26 +148,76 @@ class ReplayBufferServer:
     def stats(self) -> dict[str, float]:
         with self._lock:
             out = self.state.stats()
+            if self.log is not None:
+                out["buffer/log_mb"] = self.log.size / 2**20
+                out["buffer/log_torn_bytes"] = float(self.log.torn_bytes)
         out["buffer/waiting_ticket_requests"] = float(len(self._tickets))
         out["buffer/waiting_batch_requests"] = float(len(self._batches))
         return out
 
     def set_version(self, version: int) -> int:
         with self._lock:
-            return self.state.set_version(version)
+            dropped = self.state.set_version(version)
+            self._durable()
+            return dropped
 
-    def snapshot(self, path: str) -> int:
-        """Writes all buffered groups + counters atomically; returns the number of groups."""
+    def take_dropped(self) -> list[tuple[int, float]]:
+        """(prompt index, length) of the groups dropped stale since the previous call."""
+        with self._lock:
+            out = self.state.take_dropped()
+            self._durable()
+            return out
+
+    def release_actor(self, actor_id: str) -> int:
+        """Frees the admission tickets of a producer that died (its prompts are being re-issued)."""
+        with self._lock:
+            n = self.state.release_actor(actor_id)
+            self._durable()
+            return n
+
+    def prompt_indices(self) -> list[int]:
+        with self._lock:
+            return self.state.prompt_indices()
+
+    # ---------------------------------------------------------------------------- durable log
+    def _durable(self, stored: StoredGroup | None = None) -> None:
+        """Appends the state (and the group just stored) to the log per its fsync policy; called
+        before every acknowledgement of a change. No-op without a log or without a change."""
+        log, st = self.log, self.state
+        if log is None or (stored is None and st.mutations == self._logged):
+            return
+        self._logged = st.mutations
+        if stored is not None:
+            log.append_group(st.durable_header(), st.group_meta(stored), stored.blob)
+            if log.needs_compaction(st.bytes, st.buffered):
+                return self._compact()
+        elif log.needs_compaction(st.bytes, st.buffered):
+            return self._compact()
+        else:
+            log.append_state(st.durable_header())
+        log.commit()
+
+    def _compact(self) -> None:
+        if self.log is None:
+            return
+        st = self.state
+        self.log.rewrite(st.durable_header(), [(st.group_meta(sg), sg.blob) for sg in st.groups()])
+        self._logged = st.mutations
+
+    def snapshot(self, path: str, with_indices: bool = False) -> Any:
+        """Writes all buffered groups + counters atomically; returns the number of groups (or, with
+        `with_indices`, the prompt indices of the groups written)."""
         with self._lock:
             groups = self.state.groups()
             write_snapshot(path, self.state.snapshot_header(), [g.blob for g in groups])
-            return len(groups)
+            return sorted(g.prompt_index for g in groups if g.prompt_index >= 0) if with_indices else len(groups)
 
     def restore(self, path: str) -> int:
         """Replaces the buffer's content and counters by the snapshot's (all or nothing)."""
         header, blobs, _ = read_snapshot(path, self.max_frame_bytes)
         with self._lock:
             self.state.load(header, blobs)
+            self._compact()
             return self.state.buffered
 
     # ---------------------------------------------------------------------------- socket loop
@@ -208,11 +276,14 @@ class ReplayBufferServer:
                             self._handle(sock, frames)
                 with self._lock:
                     self._serve_waiters(sock, time.monotonic())
+                    self._durable()
         finally:
             sock.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
             ctx.term()
+            if self.log is not None:
+                self.log.close()
 
     def _poll_ms(self) -> int:
         deadlines = [w.deadline for w in (*self._tickets, *self._batches)]
@@ -276,6 +347,7 @@ class ReplayBufferServer:
             status = st.ingest(group, frame.buffer, msg.ticket)
             # FIFO fairness: no ticket jumps the queue of parked ticket requests
             nxt = st.grant(group.actor_id) if msg.want_ticket and status != "full" and not self._tickets else None
+            self._durable(st.last_stored if status == "stored" else None)
             if not self._send(sock, ident, rid, PushReply(status, "", -1 if nxt is None else nxt, st.version)) \
                     and nxt is not None:
                 st.release(nxt)
@@ -289,9 +361,11 @@ class ReplayBufferServer:
             self._batches.append(_Waiter(ident, rid, msg, now, now + max(0.0, float(msg.timeout_s))))
         elif isinstance(msg, TicketRelease):
             released = st.release(msg.ticket)
+            self._durable()
             self._send(sock, ident, rid, Ack("released" if released else "not in flight"))
         elif isinstance(msg, SetVersion):
             dropped = st.set_version(msg.version)
+            self._durable()
             self._send(sock, ident, rid, Ack(f"dropped_stale={dropped}"))
         elif isinstance(msg, StatsRequest):
             self._send(sock, ident, rid, StatsReply(self.stats()))
@@ -317,6 +391,7 @@ class ReplayBufferServer:
                 st.counters["tickets_timed_out"] += 1
             else:
                 st.record_wait("ticket", now - w.t0)
+                self._durable()  # the lease is logged before the ticket is handed out
             if not self._send(sock, w.ident, w.rid, TicketReply(-1 if ticket is None else ticket, st.version)) and ticket is not None:
                 st.release(ticket)
         while self._batches:

@@ -10,7 +10,9 @@ Rules (DESIGN.md section 4; AReaL's admission rule, asyncrl's hard bound):
   expired ticket is still accepted (counted ``buffer/late_pushes``): work is not thrown away, and the
   hard bound below still holds.
 - Hard bound: a group with ``v - min_version > max_staleness`` is never delivered; it is dropped and
-  counted (``buffer/dropped_stale``) at ingest, when v changes, and before every delivery.
+  counted (``buffer/dropped_stale``) at ingest, when v changes, and before every delivery. Groups
+  dropped or filtered at ingest are never stored, so they are not in ``ingested``:
+  ``ingested == consumed + buffered + (dropped_stale - dropped_stale_at_ingest)``.
 - Order: oldest policy version first (``min_version``, then arrival). Each group is delivered once;
   a ticket's group is stored once (a retried push with the same ticket answers ``duplicate``; so
   does a push with a released ticket). Tickets still unfinished at snapshot time are restored as
@@ -50,6 +52,8 @@ class StoredGroup:
     nbytes: int
     stored_at: float  # time.time()
     ticket: int = -1
+    prompt_index: int = -1  # the coordinator's draw index (metadata["prompt_index"]), -1 if absent
+    length: float = 0.0  # mean policy tokens per sample (length statistics of dropped vs trained)
 
 
 @dataclass(slots=True)
@@ -63,7 +67,7 @@ COUNTERS = ("ingested", "consumed", "dropped_stale", "dropped_filtered", "reject
             "rejected_full", "rejected_oversized", "rejected_schema", "rejected_unknown_ticket",
             "duplicates", "late_pushes", "untracked_pushes", "tickets_granted", "tickets_released",
             "tickets_expired", "tickets_timed_out", "reply_failures", "requeued", "filter_missing_key",
-            "internal_errors")
+            "internal_errors", "restarts", "recovered_groups", "dropped_stale_at_ingest")
 
 
 class BufferState:
@@ -91,6 +95,10 @@ class BufferState:
         self._waits: dict[str, deque[float]] = {"ticket": deque(maxlen=2048), "batch": deque(maxlen=2048),
                                                 "age": deque(maxlen=2048)}
         self._started = time.time()
+        self.last_stored: StoredGroup | None = None  # the group the latest `ingest` stored
+        self.mutations = 0  # bumped by every change the durable log must record
+        self._removed: list[int] = []  # seqs taken or dropped since the last durable record
+        self.dropped_prompts: list[tuple[int, float]] = []  # (prompt index, length) of stale drops, not yet re-issued
 
     # ------------------------------------------------------------------------------ admission
     @property
@@ -112,6 +120,7 @@ class BufferState:
         self.next_ticket += 1
         self.in_flight[ticket] = _Lease(now, now + self.ticket_lease_s, actor_id)
         self.counters["tickets_granted"] += 1
+        self.mutations += 1
         return ticket
 
     def release(self, ticket: int) -> bool:
@@ -122,7 +131,15 @@ class BufferState:
         if self.in_flight.pop(ticket, None) is None:
             return False
         self.counters["tickets_released"] += 1
+        self.mutations += 1
         return True
+
+    def release_actor(self, actor_id: str) -> int:
+        """Frees every ticket leased to `actor_id` (a dead producer whose prompts are re-issued)."""
+        held = [t for t, lease in self.in_flight.items() if lease.actor_id == actor_id]
+        for t in held:
+            self.release(t)
+        return len(held)
 
     def expire(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
@@ -131,6 +148,7 @@ class BufferState:
             del self.in_flight[t]
             self._expired.add(t)
         self.counters["tickets_expired"] += len(dead)
+        self.mutations += bool(dead)
         return len(dead)
 
     def next_expiry(self) -> float | None:
@@ -157,11 +175,19 @@ class BufferState:
         elif self.in_flight.pop(ticket, None) is None:
             self._expired.discard(ticket)
             self.counters["late_pushes"] += 1
+        self.mutations += 1
+        index, length = _prompt_index(group), _group_length(group)
         if drop is not None:
             self.counters["dropped_" + drop] += 1
+            if drop == "stale":  # counted in dropped_stale too; never part of `ingested`
+                self.counters["dropped_stale_at_ingest"] += 1
+                if index >= 0:
+                    self.dropped_prompts.append((index, length))
             return drop
-        sg = StoredGroup(next(self._seq), group.min_version, group.max_version, blob, nbytes, now, ticket)
+        sg = StoredGroup(next(self._seq), group.min_version, group.max_version, blob, nbytes, now, ticket,
+                         index, length)
         heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
+        self.last_stored = sg
         self.bytes += nbytes
         self.counters["ingested"] += 1
         self._ingest_times.append(now)
@@ -185,6 +211,7 @@ class BufferState:
     # ------------------------------------------------------------------------------ delivery
     def set_version(self, version: int) -> int:
         """Sets the learner version v and drops what became stale; returns the number dropped."""
+        self.mutations += int(version) != self.version
         self.version = int(version)
         return self.drop_stale()
 
@@ -193,9 +220,20 @@ class BufferState:
         while self._heap and self.version - self._heap[0][0] > self.max_staleness:
             _, _, sg = heapq.heappop(self._heap)
             self.bytes -= sg.nbytes
+            self._removed.append(sg.seq)
+            if sg.prompt_index >= 0:
+                self.dropped_prompts.append((sg.prompt_index, sg.length))
             n += 1
         self.counters["dropped_stale"] += n
+        self.mutations += bool(n)
         return n
+
+    def take_dropped(self) -> list[tuple[int, float]]:
+        """(prompt index, length) of every group dropped stale since the previous call: the
+        coordinator re-issues these prompts, so a stale drop never skips a prompt."""
+        out, self.dropped_prompts = self.dropped_prompts, []
+        self.mutations += bool(out)
+        return out
 
     def take(self, num_groups: int, now: float | None = None) -> list[StoredGroup]:
         """Pops up to num_groups groups, oldest version first, all within the staleness bound."""
@@ -204,15 +242,20 @@ class BufferState:
         out = [heapq.heappop(self._heap)[2] for _ in range(min(num_groups, len(self._heap)))]
         for sg in out:
             self.bytes -= sg.nbytes
+            self._removed.append(sg.seq)
             self.staleness_hist[self.version - sg.min_version] += 1
             self._waits["age"].append(now - sg.stored_at)
             self._serve_times.append(now)
         self.consumed += len(out)
         self.counters["consumed"] += len(out)
+        self.mutations += bool(out)
         return out
 
     def requeue(self, groups: list[StoredGroup]) -> None:
         """Undoes a `take` whose reply could not be sent (the groups were not delivered)."""
+        requeued = {sg.seq for sg in groups}
+        self._removed = [seq for seq in self._removed if seq not in requeued]
+        self.mutations += bool(groups)
         for sg in groups:
             heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
             self.bytes += sg.nbytes
@@ -224,6 +267,10 @@ class BufferState:
     def groups(self) -> list[StoredGroup]:
         """Buffered groups in delivery order (for snapshots)."""
         return [sg for _, _, sg in sorted(self._heap)]
+
+    def prompt_indices(self) -> list[int]:
+        """Prompt indices of the buffered groups (what a buffer restart recovered)."""
+        return sorted(sg.prompt_index for _, _, sg in self._heap if sg.prompt_index >= 0)
 
     def record_wait(self, kind: str, seconds: float) -> None:
         self._waits[kind].append(seconds)
@@ -259,8 +306,7 @@ class BufferState:
         return {"version": self.version, "consumed": self.consumed, "next_ticket": self.next_ticket,
                 "unfinished_tickets": sorted(set(self.in_flight) | self._expired),
                 "counters": dict(self.counters), "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
-                "groups": [{"min_version": g.min_version, "max_version": g.max_version, "nbytes": g.nbytes,
-                            "stored_at": g.stored_at, "ticket": g.ticket} for g in self.groups()]}
+                "groups": [_meta(g) for g in self.groups()]}
 
     def load(self, header: dict[str, Any], blobs: list[bytes]) -> None:
         """Replaces the whole state by a snapshot's (tickets in flight at snapshot time are not
@@ -274,7 +320,72 @@ class BufferState:
         self._expired = {int(t) for t in header["unfinished_tickets"]}
         self._heap, self.bytes = [], 0
         for meta, blob in zip(header["groups"], blobs, strict=True):
-            sg = StoredGroup(next(self._seq), int(meta["min_version"]), int(meta["max_version"]), blob,
-                             len(blob), float(meta["stored_at"]), int(meta["ticket"]))
-            heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
-            self.bytes += sg.nbytes
+            self._push_stored(meta, blob, next(self._seq))
+        self.mutations += 1
+
+    def _push_stored(self, meta: dict[str, Any], blob: Any, seq: int) -> None:
+        sg = StoredGroup(seq, int(meta["min_version"]), int(meta["max_version"]), blob, len(blob),
+                         float(meta["stored_at"]), int(meta["ticket"]), int(meta.get("prompt_index", -1)),
+                         float(meta.get("length", 0.0)))
+        heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
+        self.bytes += sg.nbytes
+
+    # ------------------------------------------------------------------------------ durable log
+    def durable_header(self) -> dict[str, Any]:
+        """What the durable log records after every change (asyncrl.replay.wal): the bookkeeping
+        without the groups, plus the seqs removed since the previous call (then forgotten)."""
+        removed, self._removed = self._removed, []
+        return {"version": self.version, "consumed": self.consumed, "next_ticket": self.next_ticket,
+                "next_seq": self._next_seq(), "removed": removed,
+                "leases": [[t, lease.granted_at, lease.expires_at, lease.actor_id] for t, lease in self.in_flight.items()],
+                "expired": sorted(self._expired), "counters": dict(self.counters),
+                "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
+                "dropped_prompts": [list(d) for d in self.dropped_prompts]}
+
+    def group_meta(self, sg: StoredGroup) -> dict[str, Any]:
+        return {**_meta(sg), "seq": sg.seq}
+
+    def _next_seq(self) -> int:
+        nxt = next(self._seq)
+        self._seq = itertools.count(nxt)
+        return nxt
+
+    def recover(self, header: dict[str, Any], groups: list[tuple[dict[str, Any], Any]], *,
+                lease_cap_s: float = 300.0, now: float | None = None) -> int:
+        """Rebuilds the state a dead buffer process logged. Tickets it had leased stay leased (their
+        producers are usually alive and push them), each for at most `lease_cap_s` more."""
+        now = time.time() if now is None else now
+        self.version, self.consumed = int(header["version"]), int(header["consumed"])
+        self.next_ticket = int(header["next_ticket"])
+        self.counters = Counter({k: 0 for k in COUNTERS})
+        self.counters.update({str(k): int(v) for k, v in header["counters"].items()})
+        self.staleness_hist = Counter({int(k): int(v) for k, v in header["staleness_hist"].items()})
+        self.in_flight = {int(t): _Lease(float(g), min(float(e), now + lease_cap_s), str(a))
+                          for t, g, e, a in header["leases"]}
+        self._expired = {int(t) for t in header["expired"]}
+        self.dropped_prompts = [(int(i), float(n)) for i, n in header.get("dropped_prompts", [])]
+        self._heap, self.bytes = [], 0
+        for meta, blob in groups:
+            self._push_stored(meta, blob, int(meta["seq"]))
+        self._seq = itertools.count(max([int(header["next_seq"])] + [int(m["seq"]) + 1 for m, _ in groups]))
+        self._removed = []
+        self.mutations += 1
+        return len(groups)
+
+
+def _meta(g: StoredGroup) -> dict[str, Any]:
+    return {"min_version": g.min_version, "max_version": g.max_version, "nbytes": g.nbytes,
+            "stored_at": g.stored_at, "ticket": g.ticket, "prompt_index": g.prompt_index, "length": g.length}
+
+
+def _prompt_index(group: Group) -> int:
+    try:
+        return int(group.metadata.get("prompt_index", -1))
+    except (TypeError, ValueError):
+        return -1
+
+
+def _group_length(group: Group) -> float:
+    if not group.samples:
+        return 0.0
+    return float(sum(int(np.asarray(s.response_mask).sum()) for s in group.samples) / len(group.samples))

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +78,9 @@ class VerifierReplica:
         self._api_key = resolve_secret(self.cfg.api_key) if self.cfg.api_key else ""
         self._done: OrderedDict[str, dict] = OrderedDict()
         self._inflight: dict[str, asyncio.Future] = {}
+        # The last answered requests with their replies (`asyncrl.ctl swap-verifier --dry-run`
+        # replays them through a candidate version); bounded, so memory stays flat.
+        self._ring: deque[tuple[dict[str, Any], str]] = deque(maxlen=self.cfg.request_ring)
         self.num_requests = 0
         self.num_errors = 0
 
@@ -110,6 +113,8 @@ class VerifierReplica:
         fut.set_result(body)
         self._inflight.pop(rid, None)
         if "error" not in body:
+            if self._ring.maxlen:
+                self._ring.append((request, body["choices"][0]["message"]["content"]))
             self._done[rid] = body
             while len(self._done) > _IDEMPOTENCY_CACHE:
                 self._done.popitem(last=False)
@@ -128,6 +133,11 @@ class VerifierReplica:
             return error_body(f"{type(exc).__name__}: {exc}", 500, "server_error", self.version)
         latency_ms = (time.perf_counter() - t0) * 1000.0
         return completion_body(gen, request_id=rid, model=req.model, version=self.version, latency_ms=latency_ms)
+
+    def recent_requests(self, n: int = 0) -> list[tuple[dict[str, Any], str]]:
+        """The last `n` (0: all kept) answered requests of this replica with the text it replied."""
+        items = list(self._ring)
+        return items[-n:] if n > 0 else items
 
     def info(self) -> dict[str, Any]:
         """Version, back-end and the config this replica runs (used by swap reports and rollback)."""
@@ -216,7 +226,8 @@ def deployment_options(cfg: VerifierConfig, resources: dict[str, float] | None =
     if cfg.autoscaling is not None:
         a = cfg.autoscaling
         opts["autoscaling_config"] = {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-                                      "target_ongoing_requests": a.target_ongoing_requests}
+                                      "target_ongoing_requests": a.target_ongoing_requests,
+                                      "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}
     else:
         opts["num_replicas"] = cfg.num_replicas
     return opts

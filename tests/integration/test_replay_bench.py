@@ -21,7 +21,9 @@ def test_buffer_bench_smoke_writes_figures(tmp_path: Path) -> None:
     result = json.loads(path.read_text())
     assert result["ratio"] > 0 and result["ratio"] == pytest.approx(
         result["buffer"]["groups_per_s"] / result["bare"]["groups_per_s"])
-    for part in ("bare", "codec_pipe", "buffer"):
+    assert result["durable_ratio"] == pytest.approx(
+        result["buffer_durable"]["groups_per_s"] / result["buffer"]["groups_per_s"])
+    for part in ("bare", "codec_pipe", "buffer", "buffer_durable"):
         assert result[part]["groups"] >= 40
         assert result[part]["mb_per_s"] > 0 and result[part]["latency_p99_ms"] >= result[part]["latency_p50_ms"]
     assert result["buffer"]["dropped_stale"] <= 4

@@ -37,3 +37,43 @@ def test_stopping_pauses_admission() -> None:
     c.set_stopping()
     assert c.next_prompt("r0") is None
     assert c.status()["admitting"] is False
+
+
+def test_restarted_coordinator_restores_cursor_and_in_flight(tmp_path) -> None:
+    path = str(tmp_path / "coordinator.json")
+    c = Coordinator(ROWS, CFG, state_path=path, recover=False)
+    a = c.next_prompt("r0", "q1")["index"]
+    b = c.next_prompt("r1", "q1")["index"]
+    d = c.next_prompt("r0", "q2")["index"]
+    c.complete(b)
+    c.set_version(3, trained=[b])
+    # the process dies here; Ray starts a new one with the same arguments
+    r = Coordinator(ROWS, CFG, state_path=path, recover=True)
+    assert r.counters["restarts"] == 1 and r.version == 3
+    assert r.next_prompt("r0", "q2")["index"] == d  # a retried call gets the prompt already issued
+    assert r.next_prompt("r1", "q2")["index"] == 3  # the stream continues: nothing skipped or repeated
+    r.complete(a)
+    assert r.abandon_actor("r0") == 1  # d is still held by r0
+    assert r.next_prompt("r1", "q3")["index"] == d
+    assert r.cursor_state([a])["reissue"] == sorted([3, d])  # trained b is done; a is in the snapshot
+
+
+def test_stale_dropped_prompt_is_reissued_once_and_trained_prompt_never() -> None:
+    c = Coordinator(ROWS, CFG)
+    a, b = (c.next_prompt("r0")["index"] for _ in range(2))
+    c.complete(a)
+    c.complete(b)
+    c.trained([a])
+    assert c.reissue([b, b, a], "stale") == 1  # a was trained: never again; b once
+    assert c.counters["reissued_stale"] == 1
+    assert c.next_prompt("r0")["index"] == b
+
+
+def test_buffer_restart_without_log_reissues_exactly_the_lost_groups() -> None:
+    c = Coordinator(ROWS, CFG)
+    idx = [c.next_prompt("r0")["index"] for _ in range(4)]
+    for i in idx[:3]:
+        c.complete(i)  # acknowledged by the buffer
+    c.trained([idx[0]])
+    assert c.reissue_lost(present=[idx[2]]) == [idx[1]]  # idx[3] is still being generated
+    assert [c.next_prompt("r0")["index"] for _ in range(2)] == [idx[1], 4]
