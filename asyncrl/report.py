@@ -55,7 +55,10 @@ def _read_json(path: Path) -> Any:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Rows of metrics.jsonl; a last line still being written (running job) is skipped."""
+    """The effective rows of metrics.jsonl (a resumed or recovered run's rolled-back steps are
+    dropped at each `resumed_from` marker); a last line still being written (running job) is skipped."""
+    from asyncrl.metrics import effective_rows
+
     rows = []
     path = run_dir / "metrics.jsonl"
     if path.exists():
@@ -64,7 +67,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-    return rows
+    return effective_rows(rows)
 
 
 def _eval_file(run_dir: Path, tag: str) -> dict[str, Any] | None:

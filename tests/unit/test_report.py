@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from asyncrl.report import mark_verifier, moving_average, render
+from asyncrl.report import mark_verifier, moving_average, read_metrics, render
 from asyncrl.status import format_status, read_status, write_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +55,17 @@ def test_report_of_a_running_job(tmp_path: Path) -> None:
     # 4 problems x (guided viewer + folded solver-only viewer); the after column waits for the final evaluation
     assert page.count("after training ·") == 0 and page.count("before training ·") == 8
     assert page.count("not recorded") == 8
+
+
+def test_report_reads_the_effective_history_of_a_resumed_run(tmp_path: Path) -> None:
+    """A `resumed_from` marker at step 1 (written by a resume or an in-job learner recovery)
+    discards the earlier rows of steps 2 and 3: they were trained again, so the curves show the
+    retrained step 2 (a=20) once and nothing of the rolled-back step 3; a half-written last line
+    (a running job) is skipped."""
+    rows = [{"step": 1, "a": 1}, {"step": 2, "a": 2}, {"step": 3, "a": 3},
+            {"step": 1, "resumed_from": "checkpoints/step_1", "rolled_back_steps": 2}, {"step": 2, "a": 20}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 3, "a')
+    assert [(r["step"], r["a"]) for r in read_metrics(tmp_path)] == [(1, 1), (2, 20)]
 
 
 def test_mark_verifier_and_moving_average() -> None:
