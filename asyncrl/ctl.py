@@ -155,11 +155,18 @@ def _status_from_file(run_dir: Path, as_json: bool) -> int:
     from asyncrl.status import STATUS_FILE, format_status, read_status
 
     status = read_status(run_dir)
+    job_file = run_dir / "job.json"
+    job = json.loads(job_file.read_text()) if job_file.exists() else None
+    stale = _not_running(job) if job is not None else ""  # a SIGKILLed job leaves its job.json behind
+    if stale:
+        print(f"{'error' if status is None else 'note'}: the job of {run_dir} is not running "
+              f"(last seen {_last_seen(run_dir, job)}): {stale}", file=sys.stderr)
     if status is None:
-        print(f"error: {run_dir / STATUS_FILE} not found: no step finished yet in {run_dir} "
-              "(or not a run directory); `status --live` asks the job itself", file=sys.stderr)
+        if not stale:
+            print(f"error: {run_dir / STATUS_FILE} not found: no step finished yet in {run_dir} "
+                  "(or not a run directory); `status --live` asks the job itself", file=sys.stderr)
         return 2
-    running = (run_dir / "job.json").exists()
+    running = job is not None and not stale
     if as_json:
         print(json.dumps({**status, "running": running}, indent=2, default=str))
     else:

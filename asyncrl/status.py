@@ -54,7 +54,7 @@ def format_status(status: dict[str, Any], *, now: float | None = None, running: 
     now = time.time() if now is None else now
     latest = status.get("latest", {})
     age = now - status["updated"] if "updated" in status else None
-    state = "running" if running else "not running (no job.json)"
+    state = "running" if running else "not running"
     lines = [f"job      {status.get('run_dir', '-')}  [{state}; status {_duration(age)} old]",
              f"step     {status.get('step')}/{status.get('max_steps')}   policy version v{status.get('version', '-')}"
              f"   elapsed {_duration(status.get('elapsed_s'))}   ETA {_duration(status.get('eta_s'))}"]

@@ -42,3 +42,21 @@ def test_ctl_on_a_stale_job_says_it_is_not_running(tmp_path: Path, alive_pid: bo
     assert f"the job of {run} is not running (last seen " in proc.stderr, proc.stderr
     assert ("has exited" in proc.stderr) != alive_pid
     assert "Timed out while waiting for GCS" not in proc.stderr + proc.stdout
+
+
+def test_ctl_status_of_a_killed_job_shows_its_last_status_as_not_running(tmp_path: Path) -> None:
+    """A SIGKILLed job leaves job.json and status.json behind: `ctl status` prints the last status
+    it wrote, marked not running, and says why on stderr (exit 0: the table is still the answer)."""
+    from asyncrl.status import write_status
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text(json.dumps({"ray_address": f"127.0.0.1:{_closed_port()}", "namespace": "x",
+                                              "coordinator": "coordinator", "pid": _dead_pid(),
+                                              "host": socket.gethostname(), "started": time.time() - 90}))
+    write_status(run, {"run_dir": str(run), "step": 7, "max_steps": 10})
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.ctl", "status", "--run-dir", str(run)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "not running" in proc.stdout and "7/10" in proc.stdout.replace(" ", "")
+    assert f"the job of {run} is not running (last seen " in proc.stderr
