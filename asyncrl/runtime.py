@@ -361,7 +361,8 @@ def start_actors(topo: Topology, count: int, timeout: float) -> list[str]:
             topo.cfg.model_dump_json(), actor_id, topo.buffer_address, topo.namespace)
     reports = ray.get([a.start.remote() for a in new.values()], timeout=timeout)
     for report in reports:
-        say(f"  {report['actor_id']}: engine up in {report['start_s']:.1f}s (weights v{report['version']})")
+        say(f"  {report['actor_id']} on {report.get('host', '?')}: engine up in {report['start_s']:.1f}s "
+            f"(weights v{report['version']})")
     topo.actors.update(new)
     enrol(topo, list(new))
     return list(new)

@@ -97,7 +97,10 @@ class RolloutWorker:
         state = await self.coordinator.get_state.remote()
         if state["version"] > 0:  # restarted or late joiner: newest weights before generating
             await self.engine.load_weights_from_store(min_version=0)
-        return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version}
+        import ray
+
+        return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version,
+                "host": ray.util.get_node_ip_address()}
 
     def _vl_context(self) -> Any:
         """A `VLContext` for a Qwen-VL policy (processor chat, placeholder ban, image token id), else

@@ -99,7 +99,7 @@ def test_two_node_job_trains_across_hosts_with_matching_logprobs(cluster: NetnsC
     assert f"replay buffer listening at tcp://{a}:" in out, out[-3000:]
     assert f"weight rendezvous at {a}:" in out, out[-3000:]
     # ... and the rollout actor (its engine, its verifier calls) ran on node b.
-    assert re.search(rf"RolloutWorker pid=\d+, ip={re.escape(b)}\)", out), out[-3000:]
+    assert re.search(rf"rollout-0 on {re.escape(b)}: engine up", out), out[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "mn" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:  # every group was produced on b and trained on a, after a cross-host weight sync
@@ -282,7 +282,7 @@ def test_three_nodes_late_node_scale_and_host_loss_with_curve(tmp_path: Path) ->
         c = cluster.add_node(2, {"rollout": 1})
         ctl = python(cluster, "-m", "asyncrl.ctl", "scale", "2", "--run-dir", str(run), timeout=600)
         assert ctl.returncode == 0 and '"added"' in ctl.stdout, ctl.stdout + ctl.stderr
-        _wait_for(log, rf"RolloutWorker pid=\d+, ip={re.escape(c.ip)}\)", 300, proc)
+        _wait_for(log, rf"rollout-\d+ on {re.escape(c.ip)}: engine up", 300, proc)
         steps_before = len((run / "metrics.jsonl").read_text().splitlines())
         _wait_for(run / "metrics.jsonl", f'"step": {steps_before + 2},', 600, proc)
         cluster.kill_node(1)  # node b: raylet, its workers and its engine processes
