@@ -265,7 +265,8 @@ def test_three_nodes_late_node_scale_and_host_loss_with_curve(tmp_path: Path) ->
     the hosts is CurveZMQ-encrypted and authenticated."""
     if available() is not None:
         pytest.skip(available())
-    cluster = NetnsCluster(cpus=[4, 2], extra={1: {"rollout": 1}}, log_dir=tmp_path)
+    # node b holds exactly one rollout actor (each asks for rollout=0.01), so the scaled one must go to c
+    cluster = NetnsCluster(cpus=[4, 2], extra={1: {"rollout": 0.01}}, log_dir=tmp_path)
     log = tmp_path / "launch.log"
     run = tmp_path / "late"
     proc = None
