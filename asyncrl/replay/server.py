@@ -35,8 +35,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.auth
@@ -67,6 +68,8 @@ from asyncrl.protocol import (
 from asyncrl.replay.snapshot import SnapshotError, read_snapshot, write_snapshot
 from asyncrl.replay.state import BufferState, StoredGroup, UnknownTicket
 from asyncrl.replay.wal import BufferLog
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 1 << 20
@@ -155,25 +158,23 @@ class ReplayBufferServer:
         out["buffer/waiting_batch_requests"] = float(len(self._batches))
         return out
 
-    def set_version(self, version: int) -> int:
+    def _change(self, change: Callable[..., T], *args: Any) -> T:
+        """Applies one state change under the lock and makes it durable before returning."""
         with self._lock:
-            dropped = self.state.set_version(version)
-            self._durable()
-            return dropped
-
-    def take_dropped(self) -> list[tuple[int, float]]:
-        """(prompt index, length) of the groups dropped stale since the previous call."""
-        with self._lock:
-            out = self.state.take_dropped()
+            out = change(*args)
             self._durable()
             return out
 
+    def set_version(self, version: int) -> int:
+        return self._change(self.state.set_version, version)
+
+    def take_dropped(self) -> list[tuple[int, float]]:
+        """(prompt index, length) of the groups dropped stale since the previous call."""
+        return self._change(self.state.take_dropped)
+
     def release_actor(self, actor_id: str) -> int:
         """Frees the admission tickets of a producer that died (its prompts are being re-issued)."""
-        with self._lock:
-            n = self.state.release_actor(actor_id)
-            self._durable()
-            return n
+        return self._change(self.state.release_actor, actor_id)
 
     def prompt_indices(self) -> list[int]:
         with self._lock:
