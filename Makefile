@@ -12,7 +12,7 @@ export PYTHONWARNINGS ?= ignore::DeprecationWarning
 CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-all lint bench clean
+.PHONY: install run test test-all lint bench bench-trl clean
 
 install:
 	@bash scripts/install.sh
@@ -31,6 +31,11 @@ lint: install
 
 bench: install
 	$(PY) -m asyncrl.bench $(or $(SCENARIO),buffer) --config $(CONFIG) $(ARGS)
+
+# asyncrl vs TRL's GRPOTrainer on the quick start's task (installs the optional `bench` extra: trl).
+bench-trl: install
+	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[bench]"
+	$(PY) -m asyncrl.bench trl --config $(CONFIG) $(ARGS)
 
 clean:
 	rm -rf runs bench .pytest_cache

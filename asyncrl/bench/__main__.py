@@ -8,7 +8,7 @@ import sys
 
 from asyncrl.cli import add_config_args, config_from_args
 
-SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence"]
+SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence", "trl"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,59 @@
+"""`python -m asyncrl.bench trl`: the TRL settings mirror asyncrl's config, the side-by-side
+figures are computed as documented, and without TRL the benchmark says so instead of failing.
+(The real side-by-side run is tests/integration/test_bench_trl.py, slow, where TRL is installed.)"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from asyncrl.bench import trl as bench_trl
+from asyncrl.bench.trl_side import trl_settings
+from asyncrl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_trl_settings_mirror_the_quickstart_config():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["trainer.save_every=50"])
+    s = trl_settings(cfg, "/tmp/out")
+    # B=8 prompts x G=8 samples = 64 completions, all in ONE optimiser step per generation round
+    assert s["num_generations"] == 8
+    assert s["per_device_train_batch_size"] == 64
+    assert s["gradient_accumulation_steps"] == 1 and s["steps_per_generation"] == 1
+    assert s["learning_rate"] == 5e-5 and s["lr_scheduler_type"] == "constant"
+    assert s["beta"] == 0.1  # learner.kl.coef (k3 on both sides)
+    assert (s["epsilon"], s["epsilon_high"]) == (0.2, 0.3)
+    assert s["loss_type"] == "dapo"  # asyncrl's token mean over the batch
+    assert s["temperature"] == 0.5 and s["max_completion_length"] == 64
+    assert s["weight_decay"] == 0.01 and s["max_grad_norm"] == 1.0
+    assert s["save_steps"] == 50 and s["max_steps"] == 200
+
+
+def test_kl_off_maps_to_beta_zero_and_seq_mean_to_grpo_loss():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["learner.kl.enable=false", "learner.loss_avg_mode=seq"])
+    s = trl_settings(cfg, "/tmp/out")
+    assert s["beta"] == 0.0 and s["loss_type"] == "grpo"
+
+
+def test_time_to_target_is_the_first_checkpoint_at_or_above_it():
+    curve = [{"accuracy": 0.54, "wall_s": 10.0}, {"accuracy": 0.61, "wall_s": 50.0}, {"accuracy": 0.60, "wall_s": 90.0}]
+    assert bench_trl._time_to(curve, 0.60) == 50.0
+    assert bench_trl._time_to(curve, 0.70) is None
+
+
+def test_without_trl_the_benchmark_skips_with_the_install_command(monkeypatch, capsys):
+    real = bench_trl.importlib.util.find_spec
+    monkeypatch.setattr(bench_trl.importlib.util, "find_spec", lambda name: None if name == "trl" else real(name))
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [])
+    result = bench_trl.run(cfg, argparse.Namespace(output="/tmp/unused", smoke=True))
+    assert "skipped" in result and "make bench-trl" in result["skipped"]
+    assert "TRL is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["token", "seq", "seq_sum_token_mean"])
+def test_every_loss_mode_has_a_trl_counterpart(mode):
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"learner.loss_avg_mode={mode}"])
+    assert trl_settings(cfg, "/tmp/out")["loss_type"] in {"dapo", "grpo", "dr_grpo"}
