@@ -64,12 +64,11 @@ class VLLMVerifier(VerifierReplica):
         if not c.model_path or not os.path.isdir(c.model_path):
             raise RuntimeError(f"verifier.model_path {c.model_path!r} is not a directory")
         on_gpu = torch.cuda.is_available() and c.gpus_per_replica > 0
-        dtype = c.dtype if c.dtype != "auto" else ("auto" if on_gpu else "float32")
         tok_path = c.tokenizer_path or c.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
-        args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=dtype, max_model_len=c.max_model_len,
+        args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=c.engine_dtype, max_model_len=c.max_model_len,
                                enforce_eager=not on_gpu, seed=0)
         self.engine = AsyncLLM.from_engine_args(args)
 
