@@ -94,7 +94,7 @@ def render_verifier_messages(
     answer, or None/"" for `N/A` (the caller applies `verifier_sees_reference`); `policy_turns`:
     the policy's turns in order (decoded text); `template`: the verifier system prompt, None = the
     shipped Guided-GRPO default. The template is stripped, as in the original."""
-    from asyncrl.prompts import resolve_verifier_template
+    from asyncrl.data.prompts import resolve_verifier_template
 
     return [
         {"role": "system", "content": resolve_verifier_template(template)},
