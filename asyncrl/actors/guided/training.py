@@ -31,7 +31,7 @@ import numpy as np
 
 from asyncrl.actors.guided.conversation import Conversation
 
-__all__ = ["TrainingSample", "build_training_sample", "sample_metadata", "group_metrics", "to_sample"]
+__all__ = ["TrainingSample", "build_training_sample", "sample_metadata", "group_metrics"]
 
 
 @dataclass(frozen=True)
@@ -130,25 +130,6 @@ def sample_metadata(conversation: Conversation, *, include_text: bool = False) -
         meta["messages"] = conv.messages()
         meta["verifier_texts"] = [t.verifier_text for t in conv.turns]
     return meta
-
-
-def to_sample(conversation: Conversation, *, reward: float, reward_parts: dict[str, float] | None = None,
-              scope: str | None = None, include_text: bool = False) -> Any:
-    """The `asyncrl.protocol.Sample` of a finished conversation: training arrays (`scope`, default
-    the options' train_scope), reward, `sample_metadata` (+ `scope`, `scope_fallback`)."""
-    from asyncrl.protocol import Sample  # the wire types are only needed by callers that push
-
-    conv = conversation
-    ts = build_training_sample(conv, scope)
-    meta = sample_metadata(conv, include_text=include_text)
-    meta["scope"], meta["scope_fallback"] = ts.scope, ts.fallback
-    return Sample(
-        uid=conv.uid, prompt_uid=conv.prompt_uid, prompt_ids=ts.prompt_ids, response_ids=ts.response_ids,
-        response_mask=ts.response_mask, behaviour_logprobs=ts.behaviour_logprobs,
-        token_versions=ts.token_versions, reward=float(reward), reward_parts=dict(reward_parts or {}),
-        num_turns=conv.num_turns, finish_reason=conv.finish_reason or "", verifier_version=meta["verifier_version"] or "",
-        metadata=meta,
-    )
 
 
 FINISH_REASONS = ("verifier_stop", "max_turns", "verifier_error", "length")
