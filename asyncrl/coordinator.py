@@ -16,8 +16,8 @@ change before the call returns, and a restarted incarnation (Ray `max_restarts`;
 retried by Ray) reads it back: no prompt skipped or issued twice. `next_prompt` takes a request id
 per actor, so a call retried after the reply was lost returns the prompt already issued.
 
-It also carries the learner's current version, the stop/pause flags the actors poll, per-actor
-statistics, and a small command queue through which `python -m asyncrl.ctl` asks the driver to
+It also carries the learner's current version, the stop flag the actors poll (admission ends
+with it), per-actor statistics, and a small command queue through which `python -m asyncrl.ctl` asks the driver to
 scale, swap the verifier, checkpoint or stop (the driver is the only code that changes the
 topology; it polls the queue between learner steps and posts each command's result back; queued
 commands are not durable: a ctl call in flight across a coordinator restart times out).
@@ -123,7 +123,7 @@ class Coordinator:
     def _load(self, st: dict[str, Any]) -> None:
         self.stream.load_state_dict(st["stream"])
         self._reissue = [int(i) for i in st["reissue"]]
-        self._in_flight = {int(i): {**self.stream.item_at(int(i)).to_dict(), "actor_id": a, "issued_at": t}
+        self._in_flight = {int(i): {**self.stream.item(int(i)).to_dict(), "actor_id": a, "issued_at": t}
                            for i, a, t in st["in_flight"]}
         self._buffered = {int(i) for i in st["buffered"]}
         self._recent = deque((int(i) for i in st["recent_trained"]), maxlen=RECENT_TRAINED)
@@ -151,7 +151,7 @@ class Coordinator:
             return None
         if self._reissue:
             index = self._reissue.pop(0)
-            item = self.stream.item_at(index)
+            item = self.stream.item(index)
         else:
             item = self.stream.next()
         record = {**item.to_dict(), "actor_id": actor_id, "issued_at": time.time()}
@@ -249,10 +249,6 @@ class Coordinator:
 
     def get_state(self) -> dict[str, Any]:
         return {"version": self.version, "admitting": self.admitting, "stopping": self.stopping}
-
-    def set_admitting(self, flag: bool) -> None:
-        self.admitting = flag
-        self._save()
 
     def set_stopping(self) -> None:
         self.stopping = True

@@ -259,7 +259,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
 
     from asyncrl.actors.rollout import make_rollout_actor_class
     from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
-    from asyncrl.data import load_rows
+    from asyncrl.data import load_training_rows
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.replay.host import BufferHost
     from asyncrl.serve.deploy import deploy_verifier
@@ -269,7 +269,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     timeout = cfg.cluster.startup_timeout_s
     try:
         with step_timer("data"):
-            rows = load_rows(cfg.data.train_files, cfg.data)
+            rows = load_training_rows(cfg)
             cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
         # Stateful services survive their own death: Ray restarts them (and retries the calls made
         # to them); each reads its state back from `state/` (on the driver's node, where they run).

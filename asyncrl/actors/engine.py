@@ -110,7 +110,6 @@ class PolicyEngine:
         self.tensor_parallel = max(1, cfg.gpus_per_actor) if self.on_gpu else 1
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.cpu_kvcache_gb))))
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("auto" if self.on_gpu else "float32")
         self.version = version
         # all buckets before loading (a failed round leaves the weights untouched) on CPU; on
         # GPUs stream bucket by bucket (no second copy of the model in GPU memory), so a failed
@@ -129,7 +128,7 @@ class PolicyEngine:
         eager = eager if cfg.enforce_eager is None else cfg.enforce_eager
         memory = memory if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
         args = AsyncEngineArgs(
-            model=model_path, tokenizer=tokenizer_path or model_path, dtype=dtype, seed=seed,
+            model=model_path, tokenizer=tokenizer_path or model_path, dtype=cfg.engine_dtype, seed=seed,
             enforce_eager=eager, enable_prefix_caching=cfg.enable_prefix_caching,
             max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,

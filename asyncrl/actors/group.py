@@ -127,8 +127,9 @@ async def run_guided_group(cfg: Config, prompt: dict[str, Any], engine: Any, ver
 
 
 def reward_inputs(convs: list[Any], ground_truth: str | None) -> list[dict[str, Any]]:
-    """Guided-GRPO's reward-function input dicts (4.1): final policy turn, its length, the answer
-    and the verifier's hallucination score, plus `num_turns` (asyncrl; plug-ins may ignore it)."""
+    """Guided-GRPO's reward-function input dicts (docs/guided_grpo.md#rewards): final policy turn,
+    its length, the answer and the verifier's hallucination score, plus `num_turns` (asyncrl;
+    plug-ins may ignore it)."""
     items = []
     for c in convs:
         last = c.turns[-1]
@@ -136,6 +137,22 @@ def reward_inputs(convs: list[Any], ground_truth: str | None) -> list[dict[str, 
                       "ground_truth": ground_truth or "", "verifier_hallucination_score": c.hallucination_score,
                       "num_turns": c.num_turns})
     return items
+
+
+def build_sample(conv: Any, reward_parts: dict[str, float], *, scope: str) -> Sample:
+    """The wire `Sample` of one finished conversation: its training arrays under `scope`
+    (`build_training_sample`; full_turn may fall back, recorded as `scope_fallback`), the reward
+    (`reward_parts["overall"]`, every part kept) and `sample_metadata` with the transcript."""
+    ts = build_training_sample(conv, scope)
+    meta = sample_metadata(conv, include_text=True)
+    meta["scope_fallback"] = ts.fallback
+    return Sample(
+        uid=conv.uid or uuid.uuid4().hex, prompt_uid=str(conv.prompt_uid or ""),
+        prompt_ids=ts.prompt_ids, response_ids=ts.response_ids, response_mask=ts.response_mask,
+        behaviour_logprobs=ts.behaviour_logprobs, token_versions=ts.token_versions,
+        reward=float(reward_parts["overall"]), reward_parts={k: float(v) for k, v in reward_parts.items()},
+        num_turns=conv.num_turns, finish_reason=str(conv.finish_reason),
+        verifier_version=str(meta.get("verifier_version") or ""), metadata=_jsonable(meta))
 
 
 async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], reward_fn: Any, tokenizer: Any, *,
@@ -146,18 +163,8 @@ async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], rew
     from asyncrl.rewards import score
 
     scores = await score(reward_fn, reward_inputs(convs, prompt.get("ground_truth")))
-    samples = []
-    for conv, parts in zip(convs, scores):
-        ts = build_training_sample(conv, cfg.rollout.guide.train_scope)
-        meta = sample_metadata(conv, include_text=True)
-        meta["scope_fallback"] = ts.fallback
-        samples.append(Sample(
-            uid=conv.uid or uuid.uuid4().hex, prompt_uid=str(prompt.get("uid", "")),
-            prompt_ids=ts.prompt_ids, response_ids=ts.response_ids, response_mask=ts.response_mask,
-            behaviour_logprobs=ts.behaviour_logprobs, token_versions=ts.token_versions,
-            reward=float(parts["overall"]), reward_parts={k: float(v) for k, v in parts.items()},
-            num_turns=conv.num_turns, finish_reason=str(conv.finish_reason),
-            verifier_version=str(meta.get("verifier_version") or ""), metadata=_jsonable(meta)))
+    scope = cfg.rollout.guide.train_scope
+    samples = [build_sample(conv, parts, scope=scope) for conv, parts in zip(convs, scores)]
     metadata: dict[str, Any] = {"prompt_index": int(prompt.get("index", -1))}
     if vp is not None:
         metadata["images"] = vp.images.to_wire()

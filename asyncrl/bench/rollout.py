@@ -188,7 +188,7 @@ def _make_llm(cfg: Config) -> Any:
 
     r = cfg.rollout
     return LLM(model=cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path,
-               dtype=r.dtype if r.dtype != "auto" else "float32", seed=r.seed, enforce_eager=r.enforce_eager,
+               dtype=r.engine_dtype, seed=r.seed, enforce_eager=r.enforce_eager,
                enable_prefix_caching=r.enable_prefix_caching, max_model_len=r.max_model_len,
                max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
                logprobs_mode="processed_logprobs", disable_log_stats=True)

@@ -1,24 +1,25 @@
 """Built-in reward functions: `math`, `guided_math`, `dapo`, `r1v`.
 
-Every built-in uses the Guided-GRPO *batch* convention (GUIDED_GRPO.md 4.1): called with a list
-of RewardInput dicts (`response`, `response_length`, `ground_truth`, optional
+Every built-in uses the Guided-GRPO *batch* convention (docs/guided_grpo.md#rewards): called with
+a list of RewardInput dicts (`response`, `response_length`, `ground_truth`, optional
 `verifier_hallucination_score`) and keyword arguments, it returns one dict per input with
 `overall` plus named parts (logged as `reward/<part>`).
 
 Follows the original:
-- `math` = examples/reward_function/math.py (4.3): 0.9·accuracy + 0.1·format on the final turn.
-- `guided_math` = the paper's reward (4.5): (1 − w_fmt − w_hal)·accuracy + w_fmt·format +
-  w_hal·hallucination, defaults 0.8/0.1/0.1; hallucination = the conversation's
-  `verifier_hallucination_score`, or 0.5 (the original's neutral value) when absent, as 4.5
-  specifies. (A later revision of the original's math.py instead drops the term and keeps the
-  0.9/0.1 split when no score is passed; with `enable_hallucination_score` on, the rollout always
-  passes one, so the two agree in the configuration the paper uses.)
-- `dapo` (4.4): answer from the last `Answer:` line in the last 300 characters, Minerva
+- `math` = the original's examples/reward_function/math.py: 0.9·accuracy + 0.1·format on the
+  final turn.
+- `guided_math` = the paper's reward (not in the original's code): (1 − w_fmt − w_hal)·accuracy
+  + w_fmt·format + w_hal·hallucination, defaults 0.8/0.1/0.1; hallucination = the conversation's
+  `verifier_hallucination_score`, or 0.5 (the original's neutral value) when absent, as the
+  paper's description implies. (A later revision of the original's math.py instead drops the
+  term and keeps the 0.9/0.1 split when no score is passed; with `enable_hallucination_score`
+  on, the rollout always passes one, so the two agree in the configuration the paper uses.)
+- `dapo`: answer from the last `Answer:` line in the last 300 characters, Minerva
   normalisation, accuracy ±1, soft overlong penalty.
-- `r1v` (4.4): `<think>…</think><answer>…</answer>` format, accuracy on the first answer block.
+- `r1v`: `<think>…</think><answer>…</answer>` format, accuracy on the first answer block.
 Departs: accuracy in `math`/`guided_math`/`r1v` is graded by `grade_answer` (math-verify plus the
-4.2 normalisations, see grading.py) instead of mathruler; `r1v` is sequential in the original and
-is wrapped here into the batch convention.
+original's string normalisations, see grading.py) instead of mathruler; `r1v` is sequential in
+the original and is wrapped here into the batch convention.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from asyncrl.rewards.grading import (
 __all__ = ["BUILTIN_REWARDS", "dapo_reward", "get_reward", "guided_math_reward", "math_reward", "r1v_reward"]
 
 NEUTRAL_HALLUCINATION = 0.5
-"""Hallucination score of a conversation with no scored verifier turn (Guided-GRPO 1.11)."""
+"""Hallucination score of a conversation with no scored verifier turn (Guided-GRPO's neutral value)."""
 
 RewardFn = Callable[..., list[dict[str, float]]]
 
@@ -85,7 +86,8 @@ def _math_batch(reward_inputs: list[dict[str, Any]], format_weight: float = 0.1,
 def guided_math_reward(reward_inputs: list[dict[str, Any]], format_weight: float = 0.1,
                        hallucination_weight: float = 0.1, turn_cost: float = 0.0,
                        timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[dict[str, float]]:
-    """Paper reward (4.5), batch. `hallucination_weight=0` reproduces the shipped 0.9/0.1 split
+    """Paper reward (docs/guided_grpo.md#rewards), batch. `hallucination_weight=0` reproduces the
+    shipped 0.9/0.1 split
     while still logging `reward/hallucination`.
 
     `turn_cost` (asyncrl extension, default 0 = the paper's reward): a correct answer reached in

@@ -1,16 +1,16 @@
 """Answer grading for the math rewards: boxed extraction, the answer-format rule, and
 `grade_answer(given, truth)`.
 
-Follows Guided-GRPO (GUIDED_GRPO.md 4.2, 4.3, 1.8):
+Follows Guided-GRPO (docs/guided_grpo.md#rewards, #final-answer):
 - `extract_boxed_content` returns the content of the LAST `\\boxed{...}` (brace-balanced) or the
   string "None", exactly as mathruler does.
-- `answer_format_ok` is the format rule of 4.3 and the final-answer detector of 1.8 (whitespace
-  around `<`, `>`, `/` removed; exactly one `<answer>`, one `</answer>`, one `\\boxed{.*?}` inside).
+- `answer_format_ok` is the math reward's format rule, which is also the final-answer detector
+  (whitespace around `<`, `>`, `/` removed; exactly one `<answer>`, one `</answer>`, one `\\boxed{.*?}` inside).
 
 Departs (on purpose):
 - The equivalence check is math-verify (parse + verify: sympy-based, covers fractions, decimals,
   intervals, sets, equations, percentages, `\\text{}`), not mathruler's PRM800K grader. Before it we
-  apply the string normalisations of 4.2 that math-verify does not cover (unit words such as
+  apply the string normalisations of mathruler that math-verify does not cover (unit words such as
   `5 dollars` / `18 cm`, `\\mbox`, trailing `.`, `^\\circ` spacing variants); two answers that are
   equal after this normalisation are correct without calling sympy.
 - math-verify's own timeouts use `signal.alarm`, which raises outside the main thread (rewards
@@ -134,7 +134,8 @@ _TAG_WS = re.compile(r"\s*([<>/])\s*")
 
 
 def strip_tag_whitespace(text: str) -> str:
-    """Remove whitespace adjacent to `<`, `>` and `/` (Guided-GRPO 1.8 step 1, also alters `a / b`)."""
+    """Remove whitespace adjacent to `<`, `>` and `/` (the first step of Guided-GRPO's final-answer
+    rule; it also alters `a / b`)."""
     return _TAG_WS.sub(r"\1", text)
 
 
@@ -143,8 +144,8 @@ _ANSWER_BLOCK = re.compile(r"<answer>(.*)</answer>", re.DOTALL)
 
 
 def answer_format_ok(response: str) -> bool:
-    """Guided-GRPO's format rule (4.3) = final-answer detector (1.8): exactly one `<answer>`,
-    exactly one `</answer>`, exactly one non-greedy `\\boxed{...}` match between them."""
+    """Guided-GRPO's format rule = its final-answer detector (docs/guided_grpo.md#final-answer):
+    exactly one `<answer>`, exactly one `</answer>`, exactly one non-greedy `\\boxed{...}` match between them."""
     r = strip_tag_whitespace(response)
     if r.count("<answer>") != 1 or r.count("</answer>") != 1:
         return False
@@ -204,8 +205,8 @@ def _strip_units_and_wrappers(s: str) -> str:
 
 
 def normalize_answer(answer: str) -> str:
-    """String-level canonical form (4.2 (b)): wrappers, `$`, `%`, degrees, unit words, thousands
-    separators and LaTeX spacing removed; lower-case; no spaces; `x = 5` -> `5`; integral
+    """String-level canonical form (mathruler's string normalisation): wrappers, `$`, `%`, degrees,
+    unit words, thousands separators and LaTeX spacing removed; lower-case; no spaces; `x = 5` -> `5`; integral
     decimals canonicalised (`10.0` -> `10`)."""
     s = _strip_units_and_wrappers(answer)
     if re.fullmatch(r"[a-zA-Z]\s*=\s*[^=]+", s):
@@ -290,7 +291,7 @@ def grade_answer(given: str | None, truth: str | None, timeout_s: float | None =
 
 def grade_final_answer(response: str | None, ground_truth: str | None,
                        timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
-    """Accuracy of a final policy turn as the math rewards define it (4.3): the LAST `\\boxed{}`
+    """Accuracy of a final policy turn as the math rewards define it: the LAST `\\boxed{}`
     of the tag-whitespace-normalised response, graded against the reference."""
     if response is None or ground_truth is None:
         return False

@@ -1,7 +1,7 @@
 """Reward plug-ins written for Guided-GRPO, loaded unchanged, and the validation of every reward
 function's output.
 
-Follows the original (GUIDED_GRPO.md 4.1): `reward.function = path/to/file.py[:fn]` (function
+Follows the original (docs/guided_grpo.md#rewards): `reward.function = path/to/file.py[:fn]` (function
 `main` when no colon), the file imported by path, `reward.kwargs` bound as keyword arguments,
 `reward.type = batch` (list of RewardInput dicts in, list of score dicts out) or `sequential`
 (one dict in, one dict out); RewardInput keys `response`, `response_length`, `ground_truth` and,

@@ -1,14 +1,16 @@
-"""The three verifier back-ends, each a replica class of the `Verifier` deployment (app.py).
+"""The three verifier back-ends, each a `VerifierReplica` (replica.py) run by the `Verifier`
+deployment (app.py).
 
 - `RuleVerifier`: a built-in task's rule verifier (`asyncrl.tasks.get_rule_verifier(cfg.task)`),
   pure and deterministic; sampling fields are accepted and ignored; token counts are words.
   Messages the rule cannot read (it raises ValueError) are a 400, not a server error.
 - `VLLMVerifier`: a verifier model in a vLLM `AsyncLLM` engine inside the replica, with its real
-  weights loaded from `verifier.model_path` (Guided-GRPO's local verifier ran on random weights,
-  GUIDED_GRPO.md §11 item 1) on the replica's own resources, not the policy's GPUs (§11 item 12).
-  The chat template of the verifier's tokenizer is applied; the reply is the raw generated text,
-  `<think>` blocks included: the guided protocol's parser strips them (§11 item 8), so nothing
-  is lost here. Sampling comes from the request; `prompt + max_tokens > max_model_len` is a 400.
+  weights loaded from `verifier.model_path` (Guided-GRPO's local verifier ran on random weights:
+  docs/guided_grpo.md#bug-local-verifier) on the replica's own resources, not the policy's GPUs
+  (#bug-local-verifier-gpus). The chat template of the verifier's tokenizer is applied; the reply
+  is the raw generated text, `<think>` blocks included: the guided protocol's parser strips them
+  (#bug-stop-detection), so nothing is lost here. Sampling comes from the request;
+  `prompt + max_tokens > max_model_len` is a 400.
 - `HTTPVerifier`: pass-through to an external OpenAI-compatible endpoint (`verifier.http.*`) with
   a per-request socket timeout, bounded concurrency and retries with backoff on transport errors,
   429 and 5xx. `top_k` is forwarded only when the caller set it (real OpenAI endpoints reject it).
@@ -24,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.serve.app import VerifierReplica, logger, resolve_secret
+from asyncrl.serve.replica import VerifierReplica, logger, resolve_secret
 from asyncrl.serve.schema import ChatRequest, Generation, RequestError
 
 
@@ -64,12 +66,11 @@ class VLLMVerifier(VerifierReplica):
         if not c.model_path or not os.path.isdir(c.model_path):
             raise RuntimeError(f"verifier.model_path {c.model_path!r} is not a directory")
         on_gpu = torch.cuda.is_available() and c.gpus_per_replica > 0
-        dtype = c.dtype if c.dtype != "auto" else ("auto" if on_gpu else "float32")
         tok_path = c.tokenizer_path or c.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
-        args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=dtype, max_model_len=c.max_model_len,
+        args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=c.engine_dtype, max_model_len=c.max_model_len,
                                enforce_eager=not on_gpu, seed=0)
         self.engine = AsyncLLM.from_engine_args(args)
 
@@ -170,7 +171,7 @@ class HTTPVerifier(VerifierReplica):
 
 
 def _parse_upstream(body: Any) -> Generation:
-    """Guided-GRPO's parsing (§3.3): `choices[0].message.content`, else `choices[0].text`."""
+    """Guided-GRPO's reply parsing: `choices[0].message.content`, else `choices[0].text`."""
     choice = body["choices"][0]
     if not isinstance(choice, dict):
         return Generation(str(choice), "stop", 0, 0)

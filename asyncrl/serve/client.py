@@ -1,10 +1,10 @@
 """VerifierClient: the async client the rollout actors use to ask the verifier service.
 
 Transport: a Ray Serve handle inside the cluster (`handle=`, `app_name=` or `in_cluster`), or
-HTTP (`base_url=`, httpx) outside it; both carry the same request body (GUIDED_GRPO.md §3.2) and
-get the same OpenAI-shaped reply.
+HTTP (`base_url=`, httpx) outside it; both carry the same request body (Guided-GRPO's
+chat-completions body, docs/guided_grpo.md#http-verifier) and get the same OpenAI-shaped reply.
 
-Guarantees (departures from Guided-GRPO's client, §3.4 / §11 item 10):
+Guarantees (departures from Guided-GRPO's client, docs/guided_grpo.md#bug-http-client):
 - `chat` never raises for remote failures: it returns `VerifierResult(ok=False, error=...)`
   after the deadline or the retries are used up. The caller (the guided protocol) turns that
   into its configured `on_error` policy; an error is never turned into a silent STOP here.
@@ -81,7 +81,7 @@ class VerifierClient:
         self.base_url = base_url.rstrip("/")
         key = cfg.api_key if api_key is None else api_key
         if key.startswith("env:"):
-            from asyncrl.serve.app import resolve_secret
+            from asyncrl.serve.replica import resolve_secret
 
             key = resolve_secret(key)
         self._headers = {"Content-Type": "application/json"}

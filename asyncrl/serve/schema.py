@@ -1,8 +1,9 @@
 """Wire format of the verifier service: the OpenAI chat-completions request and reply.
 
-The request accepts exactly what Guided-GRPO's HTTP client sends (GUIDED_GRPO.md §3.2: `model`,
-`messages`, `max_tokens`, `temperature`, `top_p`, `top_k`), plus the optional fields §3.5
-recommends (`seed`, `stop`, `request_id`) and vLLM's `chat_template_kwargs`. Unknown keys are
+The request accepts exactly what Guided-GRPO's HTTP client sends (`model`, `messages`,
+`max_tokens`, `temperature`, `top_p`, `top_k`; docs/guided_grpo.md#http-verifier), plus optional
+fields for retries and reproducibility (`seed`, `stop`, `request_id`) and vLLM's
+`chat_template_kwargs`. Unknown keys are
 ignored, as OpenAI-compatible servers do; what cannot be served (`n > 1`, `stream`) and malformed
 values are rejected with a message (HTTP 400), never silently coerced.
 

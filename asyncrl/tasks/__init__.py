@@ -1,8 +1,8 @@
 """Built-in tasks with rule verifiers (the offline quick-start world `arith`).
 
 `get_rule_verifier(task)` returns a pure, deterministic `Callable[[list[dict]], str]` taking the
-OpenAI chat messages of a Guided-GRPO verifier request (GUIDED_GRPO.md 1.9) and returning the
-reply text; the Ray Serve `rule` back-end and the tests call the same object.
+OpenAI chat messages of a Guided-GRPO verifier request (docs/guided_grpo.md#verifier-request) and
+returning the reply text; the Ray Serve `rule` back-end and the tests call the same object.
 """
 
 from __future__ import annotations

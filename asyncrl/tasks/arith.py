@@ -2,7 +2,8 @@
 
 A problem is an expression of 2-5 small non-negative integers joined by `+ - *`, written
 `Compute 7 + 3 * 4 - 2.` with the answer as a string (`"17"`), in Guided-GRPO's data format
-(GUIDED_GRPO.md 7.1: columns `problem`, `answer`; extra columns are carried along untouched).
+(docs/guided_grpo.md#data-format: columns `problem`, `answer`; extra columns are carried along
+untouched).
 
 Guarantees
 - `generate_split(split, n, seed, difficulty)` is a pure function of its arguments.
@@ -13,7 +14,7 @@ Guarantees
 
 The expected student behaviour (taught by SFT, checked by `arith_verifier`) is a few steps per
 turn, each written `a op b = c`, a short checkpoint question, and finally
-`<answer>\\boxed{N}</answer>` (the format of GUIDED_GRPO.md 7.3).
+`<answer>\\boxed{N}</answer>` (the format the original's student prompt asks for).
 """
 
 from __future__ import annotations

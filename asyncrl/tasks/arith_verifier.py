@@ -1,9 +1,10 @@
 """Rule verifier for `arith`: a deterministic stand-in for Guided-GRPO's verifier model.
 
-It reads the chat messages that `render_verifier_messages` builds (GUIDED_GRPO.md 1.9: a system
-prompt, then a user message `### Problem Statement / ### Reference Answer / ### Conversation
-History` with one `Assistant: ...` entry per policy turn) and answers the LATEST policy turn the
-way the default verifier prompt asks a teacher to:
+It reads the chat messages that `render_verifier_messages` builds
+(docs/guided_grpo.md#verifier-request: a system prompt, then a user message `### Problem
+Statement / ### Reference Answer / ### Conversation History` with one `Assistant: ...` entry
+per policy turn) and answers the LATEST policy turn the way the default verifier prompt asks a
+teacher to:
 
 1. Earlier policy turns are replayed to rebuild the current expression: their steps are applied
    up to their first error (the verifier rejected the rest at the time), so the verifier needs no
@@ -12,7 +13,7 @@ way the default verifier prompt asks a teacher to:
    (the operands must be adjacent there and the operator applicable under `*`-before-`+-`,
    left to right) and against arithmetic. First error -> "Error: <reason>. <how to correct>.
    <question>" and `[SCORE] hallucination_detect=0`.
-3. Then the final answer, if any: a correctly formatted (`has_final_answer`, 1.8) right answer ->
+3. Then the final answer, if any: a correctly formatted (`has_final_answer`) right answer ->
    exactly `###STOP###`; a formatted wrong one -> guidance + score 0; an attempted answer in the
    wrong format -> a request for the format + score 1.
 4. Otherwise "Correct." + the next small objective (the next operation, never its result) +
@@ -48,7 +49,8 @@ class Verdict:
 
 
 def has_final_answer(text: str) -> bool:
-    """GUIDED_GRPO.md 1.8: one <answer>, one </answer>, exactly one \\boxed{...} between them."""
+    """The final-answer rule (docs/guided_grpo.md#final-answer): one <answer>, one </answer>, exactly
+    one \\boxed{...} between them."""
     t = re.sub(r"\s*([</>])\s*", r"\1", text)
     if t.count("<answer>") != 1 or t.count("</answer>") != 1:
         return False
@@ -124,7 +126,7 @@ def verify_turns(problem: str, policy_turns: list[str], reference: str | None = 
 
 
 def parse_verifier_request(messages: list[dict]) -> tuple[str, str, list[str]]:
-    """(problem, reference, policy turns) from the messages of GUIDED_GRPO.md 1.9."""
+    """(problem, reference, policy turns) from the messages of a Guided-GRPO verifier request."""
     user = next((m for m in reversed(messages) if m.get("role") == "user"), None)
     if user is None:
         raise ValueError("verifier request has no user message")
@@ -138,7 +140,8 @@ def parse_verifier_request(messages: list[dict]) -> tuple[str, str, list[str]]:
         re.DOTALL,
     )
     if not m:
-        raise ValueError("verifier request does not follow the Guided-GRPO layout (1.9)")
+        raise ValueError("verifier request does not follow the Guided-GRPO layout "
+                         "(docs/guided_grpo.md#verifier-request)")
     problem, reference, history = m.group(1), m.group(2).strip(), m.group(3)
     parts = re.split(r"(?:^|\n)Assistant: ?", history)
     turns = parts[1:] if history.startswith("Assistant:") else []

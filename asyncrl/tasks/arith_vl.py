@@ -3,8 +3,9 @@
 The policy sees ONLY the figure: its problem text is `<image>\\nCompute the expression shown in the
 image.` and the expression (`4 * 8 - 6`) is rendered with PIL into a white 224x56 PNG (16 image
 tokens for a Qwen-VL processor: 8x2 cells of 28x28 px). The answer and the rule verifier are the
-text task's (`asyncrl.tasks.arith`, `ArithRuleVerifier`): the verifier is text-only (GUIDED_GRPO.md
-1.9) and needs the operands, so every row also carries `verifier_problem` = `Compute 4 * 8 - 6.`.
+text task's (`asyncrl.tasks.arith`, `ArithRuleVerifier`): the verifier is text-only
+(docs/guided_grpo.md#verifier-request) and needs the operands, so every row also carries
+`verifier_problem` = `Compute 4 * 8 - 6.`.
 
 How the verifier gets the operands (decision, a departure from the original, which only has
 `[IMAGE]` for the verifier): the rollout builds each conversation from `verifier_view(messages,

@@ -154,13 +154,13 @@ def test_vl_group_over_the_wire_into_a_learner_micro_batch(vl, conv):
     """Rollout -> wire -> learner data path: both scopes' samples in one Group with the images in
     its metadata, through the msgpack codec, flattened and collated by the learner's batching
     (left-padded prompts of different lengths), features + mRoPE ids from the decoded PNGs."""
-    from asyncrl.actors.guided import to_sample
+    from asyncrl.actors.group import build_sample
     from asyncrl.learner.batching import collate, flatten_groups
     from asyncrl.learner.multimodal import group_row_images, masked_logprobs
     from asyncrl.protocol import Group, decode, encode
 
     conv, prep = conv
-    samples = [to_sample(conv, reward=1.0, scope=sc) for sc in ("final_turn", "full_turn")]
+    samples = [build_sample(conv, {"overall": 1.0}, scope=sc) for sc in ("final_turn", "full_turn")]
     samples[1].uid += "-full"
     frame = encode(Group.from_samples(samples, metadata={"images": prep.to_wire()}))
     group = decode(frame)

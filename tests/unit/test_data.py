@@ -1,9 +1,10 @@
-"""Proves the data loading and message building of GUIDED_GRPO.md 7.1-7.2: json/jsonl/parquet
+"""Proves the data loading and message building of Guided-GRPO's data format
+(docs/guided_grpo.md#data-format): json/jsonl/parquet
 files and directories (`path@split`) load through HF datasets; a row missing a required column
 fails with the file, row and column named; format prompts (built-in names and Jinja files,
 stripped) and the `guided` system prompt render as in the original; `<image>` markers are
 reconciled with the image count; hub ids fail clearly offline; the overlong filter drops rows
-by their real chat-template token count."""
+by their real chat-template token count, on the loader the job uses (`load_training_rows`)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import pytest
 
 from asyncrl.config import DataConfig
 from asyncrl.data import (
+    PromptStream,
     build_messages,
-    build_stream,
     filter_overlong_prompts,
-    iter_items,
     load_rows,
+    load_training_rows,
+    make_item,
     parse_data_spec,
 )
-from asyncrl.prompts import student_system_prompt
+from asyncrl.data.prompts import student_system_prompt
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 
@@ -124,7 +126,7 @@ def test_image_markers(prompt: str, k: int, content: list[dict]) -> None:
 
 def test_fixture_rows_items_carry_images_and_stringify_answers() -> None:
     rows = load_rows(str(FIX / "tiny.jsonl"))
-    items = list(iter_items(rows))
+    items = [make_item(rows, i, DataConfig(), i, "val") for i in range(len(rows))]
     # the row has the images column (empty): a content list, as the original builds it
     assert items[0].images is None
     assert items[0].messages == [{"role": "user", "content": [{"type": "text", "text": "What is 1+1?"}]}]
@@ -159,14 +161,25 @@ def test_filter_overlong_prompts_counts_template_tokens() -> None:
     assert [r["problem"].count("w") for r in kept] == [3, 5] and dropped == [2, 3]
 
 
-def test_build_stream_filters_and_shards(tmp_path: Path) -> None:
+def test_load_training_rows_applies_the_overlong_filter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from asyncrl.config import Config
+
     f = write_jsonl(tmp_path / "t.jsonl", [{"problem": " ".join(["w"] * (i % 8)), "answer": str(i)} for i in range(20)])
-    cfg = DataConfig(train_files=str(f), max_prompt_length=10, seed=5)  # keeps rows with <= 5 words
-    stream = build_stream(cfg, _tokenizer())
-    assert stream.num_rows == sum(1 for i in range(20) if i % 8 <= 5)
-    shard = build_stream(cfg, _tokenizer(), index=1, count=3)
-    assert [x.index for x in shard.take(3)] == [1, 4, 7]
-    assert not build_stream(cfg.model_copy(update={"val_files": str(f)}), split="val").shuffle
+    loaded: list[str] = []
+
+    def from_pretrained(path: str, **kwargs: object) -> object:
+        loaded.append(path)
+        return _tokenizer()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    cfg = Config.model_validate({"model": {"path": "policy-dir"}, "rollout": {"max_num_batched_tokens": 2048},
+                                 "data": {"train_files": str(f), "max_prompt_length": 10}})
+    rows = load_training_rows(cfg)  # n + 5 tokens per prompt (above): keeps rows with <= 5 words
+    assert [r["answer"] for r in rows] == [str(i) for i in range(20) if i % 8 <= 5] and loaded == ["policy-dir"]
+    off = cfg.model_copy(update={"data": cfg.data.model_copy(update={"filter_overlong_prompts": False})})
+    assert len(load_training_rows(off)) == 20 and loaded == ["policy-dir"]  # no tokenizer needed
 
 
 def test_quickstart_data_section_builds_streams() -> None:
@@ -179,8 +192,8 @@ def test_quickstart_data_section_builds_streams() -> None:
     cwd = os.getcwd()
     os.chdir(root)  # config paths are relative to the repository root
     try:
-        for split in ("train", "val", "test"):
-            item = build_stream(cfg, split=split).next()
+        for spec in (cfg.train_files, cfg.val_files, cfg.test_files):
+            item = PromptStream(load_rows(spec, cfg), cfg.seed, cfg.shuffle, cfg).next()
             assert item.ground_truth and item.messages[-1]["role"] == "user"
     finally:
         os.chdir(cwd)

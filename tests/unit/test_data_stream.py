@@ -1,9 +1,8 @@
 """Proves the PromptStream guarantees: the order is a deterministic function of the seed (per
 epoch, every epoch a permutation of all rows, epochs roll over); a stream restored from a
 JSON-round-tripped `state_dict()` continues with exactly the draws the original would have
-served; shards are disjoint and together cover every draw; after shards are merged and
-re-sharded with a different count (with put-backs in flight), no draw is skipped or repeated
-(hypothesis property test); incompatible states are refused."""
+served, at any cursor (hypothesis property test); `item(k)` rebuilds draw k; incompatible states
+are refused."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.config import DataConfig
-from asyncrl.data import PromptStream, merge_shard_states
+from asyncrl.data import PromptStream
 
 ROWS = [{"problem": f"q{i}", "answer": str(i)} for i in range(7)]
 
@@ -53,15 +52,6 @@ def test_resume_continues_exactly(consumed: int) -> None:
     assert [(x.index, x.row_index) for x in a.take(15)] == [(x.index, x.row_index) for x in b.take(15)]
 
 
-def test_resume_with_put_back_serves_it_first() -> None:
-    a = PromptStream(ROWS, seed=4)
-    first = a.take(3)
-    a.put_back(first[1])
-    b = PromptStream(ROWS, seed=4)
-    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert [x.index for x in b.take(3)] == [1, 3, 4]
-
-
 def test_incompatible_state_is_refused() -> None:
     state = PromptStream(ROWS, seed=1).state_dict()
     with pytest.raises(ValueError, match="seed=1"):
@@ -72,73 +62,25 @@ def test_incompatible_state_is_refused() -> None:
     with pytest.raises(ValueError, match="fingerprint"):
         PromptStream(changed, seed=1).load_state_dict(state)
     PromptStream(changed, seed=1).load_state_dict(state, strict=False)
-    with pytest.raises(ValueError, match="shard 0/1"):
-        PromptStream(ROWS, seed=1).shard(1, 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="format"):
+        PromptStream(ROWS, seed=1).load_state_dict({**state, "format": 99})
 
 
-def test_shards_are_disjoint_and_cover_the_global_order() -> None:
-    g = PromptStream(ROWS, seed=6)
-    g.take(2)
-    shards = [g.shard(i, 3) for i in range(3)]
-    drawn = [[x.index for x in s.take(6)] for s in shards]
-    assert drawn[0] == [3, 6, 9, 12, 15, 18] and drawn[1] == [4, 7, 10, 13, 16, 19]
-    flat = sorted(k for d in drawn for k in d)
-    assert flat == list(range(2, 20))  # disjoint, no gaps, continuing the global cursor
-    ref = PromptStream(ROWS, seed=6)
-    assert {x.index: x.row_index for x in ref.take(20)}[10] == shards[1].item(10).row_index
-    with pytest.raises(ValueError, match="global"):
-        shards[0].shard(0, 2)
-
-
-def test_merge_then_reshard_with_another_count() -> None:
-    g = PromptStream(ROWS, seed=2)
-    shards = [g.shard(i, 2) for i in range(2)]
-    served = [x.index for x in shards[0].take(5)] + [x.index for x in shards[1].take(2)]  # imbalance
-    back = shards[0].take(1)[0]
-    shards[0].put_back(back)  # its group was abandoned
-    merged = merge_shard_states([json.loads(json.dumps(s.state_dict())) for s in shards])
-    g2 = PromptStream(ROWS, seed=2)
-    g2.load_state_dict(merged)
-    new = [g2.shard(i, 3) for i in range(3)]
-    later = [x.index for s in new for x in s.take(4)]
-    # 0..9 served by shard 0 (0,2,4,6,8; 10 put back) and shard 1 (1,3): next are 10 (put back), 5, 7, 9, 11..
-    assert sorted(served + later)[: len(served) + 3] == list(range(len(served) + 3))
-    assert len(set(served + later)) == len(served + later)
-    with pytest.raises(ValueError, match="all 2 shards"):
-        merge_shard_states([shards[0].state_dict()])
+def test_item_rebuilds_any_draw_without_moving_the_cursor() -> None:
+    s = PromptStream(ROWS, seed=6)
+    drawn = s.take(10)
+    assert [s.item(k).row_index for k in range(10)] == [x.row_index for x in drawn]
+    assert s.next().index == 10
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    counts=st.lists(st.integers(1, 4), min_size=1, max_size=3),
-    script=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.booleans()), min_size=1, max_size=12),
-)
-def test_no_draw_skipped_or_repeated_across_reshards(counts: list[int], script: list[tuple[int, int, bool]]) -> None:
-    """Random phases: shard into `count`, let shards draw unevenly (sometimes putting the last draw
-    back), merge, repeat; finally drain. Served multiset == {0..K-1} exactly once each."""
-    rows = ROWS[:5]
-    served: list[int] = []
-    state = PromptStream(rows, seed=11).state_dict()
-    for phase, count in enumerate(counts):
-        g = PromptStream(rows, seed=11)
-        g.load_state_dict(state)
-        shards = [g.shard(i, count) for i in range(count)]
-        for shard_i, n, put_back in script[phase::len(counts)] or script:
-            s = shards[shard_i % count]
-            items = s.take(n)
-            if put_back and items:
-                s.put_back(items[-1])
-                items = items[:-1]
-            served.extend(x.index for x in items)
-        state = merge_shard_states([json.loads(json.dumps(s.state_dict())) for s in shards])
-    g = PromptStream(rows, seed=11)
-    g.load_state_dict(state)
-    for _ in range(100):  # drain until the served set has no holes (put-backs come first)
-        if sorted(served) == list(range(len(served))):
-            break
-        served.append(g.next().index)
-    assert len(served) == len(set(served))  # nothing repeated
-    assert sorted(served) == list(range(len(served)))  # nothing skipped
+@given(seed=st.integers(0, 50), consumed=st.integers(0, 40), more=st.integers(1, 20))
+def test_resume_at_any_cursor_serves_the_same_draws(seed: int, consumed: int, more: int) -> None:
+    a = PromptStream(ROWS[:5], seed=seed)
+    a.take(consumed)
+    b = PromptStream(ROWS[:5], seed=seed)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert [(x.index, x.row_index) for x in b.take(more)] == [(x.index, x.row_index) for x in a.take(more)]
 
 
 def test_stream_uses_data_config_for_messages() -> None:

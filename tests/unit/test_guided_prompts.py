@@ -1,6 +1,6 @@
 """The Guided-GRPO prompt data ships byte-identical and loads as the original uses it.
 
-Proves: every data file under asyncrl/data matches the bytes copied from Guided-GRPO (SHA-256
+Proves: every data file of the asyncrl.data package matches the bytes copied from Guided-GRPO (SHA-256
 pins; the released verifier was trained with these prompts), the loaders return the stripped
 runtime values, the built-in format-prompt names resolve, and the files are declared package data.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import prompts
+from asyncrl.data import prompts
 
 PINS = {
     "verifier_prompt.txt": "12d0b52305487e3eb60d27eb158e5aa6de0a535387d7b0e99c2355d8225dbc09",
@@ -46,8 +46,12 @@ def test_runtime_values():
 
 
 def test_declared_as_package_data():
+    """Every pinned file matches a package-data pattern of `asyncrl.data`, so a wheel ships it."""
+    from fnmatch import fnmatch
+
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     root = Path(__file__).resolve().parents[2]
-    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["asyncrl"]
-    assert "data/*" in data and "data/**/*" in data
-    assert not (root / "asyncrl" / "data" / "__init__.py").exists()  # asyncrl.data is the data stream module
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["asyncrl.data"]
+    for name in [*PINS, "NOTICE.md"]:
+        assert (root / "asyncrl" / "data" / name).is_file()
+        assert any(fnmatch(name, p) and name.count("/") == p.count("/") for p in patterns), name

@@ -141,14 +141,16 @@ def test_group_metrics(chat):
 
 def test_to_protocol_sample_roundtrip(chat):
     protocol = pytest.importorskip("asyncrl.protocol")
-    from asyncrl.actors.guided import to_sample
+    from asyncrl.actors.group import build_sample
 
     conv = two_turns(chat, "full_turn")
     conv.uid, conv.prompt_uid = "p/0", "p"
-    s = to_sample(conv, reward=0.9, reward_parts={"accuracy": 1.0}, include_text=True)
+    s = build_sample(conv, {"overall": 0.9, "accuracy": 1.0}, scope="full_turn")
     group = protocol.Group.from_samples([s], actor_id="a0")
     assert (group.min_version, group.max_version) == (3, 4)
     back = protocol.decode(protocol.encode(group)).samples[0]
     assert back.response_ids.tolist() == build_training_sample(conv).response_ids.tolist()
     assert (back.num_turns, back.finish_reason, back.verifier_version) == (2, "max_turns", "ver-A")
-    assert back.metadata["scope"] == "full_turn" and back.metadata["hallucination_scores"] == [1, None]
+    assert back.metadata["scope_fallback"] is False and back.metadata["hallucination_scores"] == [1, None]
+    assert (back.uid, back.prompt_uid, back.reward, back.reward_parts) == ("p/0", "p", 0.9, {"overall": 0.9, "accuracy": 1.0})
+    assert back.metadata["messages"] == conv.messages()  # the transcript travels with the sample

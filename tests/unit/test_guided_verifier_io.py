@@ -16,7 +16,7 @@ from asyncrl.actors.guided import (
     parse_verifier_reply,
     render_verifier_messages,
 )
-from asyncrl.prompts import default_verifier_template
+from asyncrl.data.prompts import default_verifier_template
 
 # ----------------------------------------------------------------------------- request rendering
 GOLDEN_USER = (

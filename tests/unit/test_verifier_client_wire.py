@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.config import AutoscalingConfig, VerifierClientConfig, VerifierConfig
-from asyncrl.serve.app import deployment_options, resolve_secret
+from asyncrl.serve.app import deployment_options
 from asyncrl.serve.backends import _parse_upstream
 from asyncrl.serve.client import _check_reply, _Final, _Retryable
+from asyncrl.serve.replica import resolve_secret
 from asyncrl.serve.schema import Generation, RequestError, completion_body, parse_request
 
 BODY = {"model": "ve", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],

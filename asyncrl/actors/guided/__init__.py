@@ -1,4 +1,4 @@
-"""Guided multi-turn protocol (Guided-GRPO, GUIDED_GRPO.md sections 1-2), engine-agnostic.
+"""Guided multi-turn protocol (Guided-GRPO, docs/guided_grpo.md#protocol), engine-agnostic.
 
 Everything a rollout actor does between two engine calls: build the verifier request, parse the
 reply, decide the next turn, keep the token-exact history, and turn a finished conversation into
@@ -21,7 +21,9 @@ Typical use (rollout actor or eval):
     await run_group(convs, generate, verify)
     for c in convs:
         ts = build_training_sample(c); meta = sample_metadata(c); text = c.final_text
-        # or: sample = to_sample(c, reward=..., reward_parts=...)  (asyncrl.protocol.Sample)
+
+The wire `Sample` of a scored conversation is built by `asyncrl.actors.group.build_sample` (the
+one Conversation -> Sample builder, shared by training, the rollout bench and the tests).
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ from asyncrl.actors.guided.training import (
     build_training_sample,
     group_metrics,
     sample_metadata,
-    to_sample,
 )
 from asyncrl.actors.guided.verifier_io import (
     NEUTRAL_HALLUCINATION_SCORE,
@@ -93,6 +94,5 @@ __all__ = [
     "run_group",
     "sample_metadata",
     "sample_seed",
-    "to_sample",
     "turn_seed",
 ]

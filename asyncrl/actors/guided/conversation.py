@@ -1,4 +1,4 @@
-"""One guided conversation as a state machine (GUIDED_GRPO.md 1.4-1.7, 1.11, 2.2 metadata).
+"""One guided conversation as a state machine (docs/guided_grpo.md#protocol).
 
 A `Conversation` never calls an engine. It alternates two requests, `next_step()` returning a
 `GenerateStep` (token ids to continue, a seed) or a `VerifyStep` (chat messages for the
@@ -6,11 +6,12 @@ verifier), and the caller feeds the answers back with `on_generated` / `on_verif
 means finished. Conversations of one group therefore advance independently (driver.py runs
 them concurrently), with no lock-step batches.
 
-Follows the original's turn logic (1.5): STOP + a final answer (1.8) ends the conversation; STOP
-without one sends the continue prompt; any other reply is the next user turn, even after an
-answer; at most `max_turns` policy turns. Departures, each for a reason:
+Follows the original's turn logic (#turn-loop; `#name` below = a section of docs/guided_grpo.md):
+STOP + a final answer (#final-answer) ends the conversation; STOP without one sends the continue
+prompt; any other reply is the next user turn, even after an answer; at most `max_turns` policy
+turns. Departures, each for a reason:
 - The verifier is not called after the last allowed turn unless `enable_hallucination_score`
-  needs its score (11 item 11: the original wastes that call).
+  needs its score (the original wastes that call: #bug-lock-step).
 - A policy turn that hits `max_tokens` without an end-of-turn token ends the conversation with
   `finish_reason=length` and no verifier call: continuing would need an end-of-turn token the
   policy never sampled, and the original would train on a truncated turn anyway.
@@ -18,24 +19,24 @@ answer; at most `max_turns` policy turns. Departures, each for a reason:
   the continue prompt; drop_group: end now and mark the group for dropping); a conversation ended
   by one has `finish_reason=verifier_error`. The original silently turns errors into STOP.
 - `verifier_sees_reference` (train_only = the original, always, never) decides whether the
-  verifier gets the reference answer (11 item 4).
+  verifier gets the reference answer (#bug-reference-leak).
 - Prompt budget (`max_prompt_length`) is enforced before generating, never by truncating after
-  sampling (11 item 6). history=full drops the oldest whole turns (a policy turn together with
+  sampling (#bug-prompt-truncation). history=full drops the oldest whole turns (a policy turn together with
   the user turn that answered it), which keeps the context a valid rendering of [system, problem,
   later turns...]; history=guided_grpo drops the oldest assistant messages as the original does.
   If the context still does not fit, the conversation ends with `finish_reason=length`.
   Dropping history changes what later turns saw, so under `train_scope=full_turn` such a sample
   falls back to final_turn (training.py; recorded as `scope_fallback`).
 - history=full keeps the conversation append-only and token-exact (chat.py); history=guided_grpo
-  reproduces the original's text rewriting (1.6: every turn the policy sees system + problem + all
+  reproduces the original's text rewriting (#policy-prompt: every turn the policy sees system + problem + all
   its own turns + only the latest user message), re-rendered and re-tokenised every turn.
   Multimodal prompts need history=full (the caller passes the processor's expanded `prompt_ids`;
   user turns are text); the original's multimodal path, which re-runs the processor every turn
-  (11 item 13), is not reproduced.
-- The verifier always sees every policy turn (1.9), also those dropped from the policy's context
+  (#bug-image-reencode), is not reproduced.
+- The verifier always sees every policy turn (#verifier-request), also those dropped from the policy's context
   for the budget under history=full; under guided_grpo it sees what the original's verifier sees,
   the assistant messages left in the rewritten list.
-- Every sample has its own seed (`sample_seed`), each turn a distinct one (11 item 2).
+- Every sample has its own seed (`sample_seed`), each turn a distinct one (#bug-shared-seed).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def sample_seed(base_seed: int, prompt_index: int, sample_index: int) -> int:
     """Seed of sample `sample_index` of prompt `prompt_index` (global stream index).
 
     hash(base_seed, prompt_index) + sample_index: deterministic, and distinct within a group for
-    any group size < 2**31 (the original gives all G copies one seed: 1.3, 11 item 2)."""
+    any group size < 2**31 (the original gives all G copies one seed: docs/guided_grpo.md#bug-shared-seed)."""
     digest = hashlib.blake2b(f"{base_seed}:{prompt_index}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") + sample_index) % _SEED_MOD
 
@@ -194,7 +195,7 @@ class Conversation:
 
     @property
     def hallucination_score(self) -> float:
-        """Section 1.11: mean of the scored turns, 0.5 when none."""
+        """Mean of the scored turns, 0.5 (the original's neutral value) when none."""
         return aggregate_hallucination(self.hallucination_scores)
 
     @property

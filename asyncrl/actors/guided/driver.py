@@ -11,8 +11,9 @@ only in the two injected callables:
   they are bugs, not verifier errors.
 
 All conversations of a group share one prompt, so a multimodal actor binds the group's images
-into its `generate` closure (one closure per group). Conversations of a group run concurrently and independently (continuous batching in the engine
-does the rest); the original runs every turn in lock-step over the whole batch (11 item 11).
+into its `generate` closure (one closure per group). Conversations of a group run concurrently
+and independently (continuous batching in the engine does the rest); the original runs every turn
+in lock-step over the whole batch (docs/guided_grpo.md#bug-lock-step).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any, Literal
 __all__ = ["GuideOptions", "CONTINUE_PROMPT"]
 
 CONTINUE_PROMPT = "Please continue and provide the final answer in the required format."
-"""Guided-GRPO's hard-coded continue prompt (1.5), verbatim."""
+"""Guided-GRPO's hard-coded continue prompt (docs/guided_grpo.md#protocol), verbatim."""
 
 
 @dataclass(frozen=True)

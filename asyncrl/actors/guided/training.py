@@ -1,12 +1,12 @@
-"""From a finished conversation to what the learner trains on (GUIDED_GRPO.md 2) and its metadata.
+"""From a finished conversation to what the learner trains on (docs/guided_grpo.md#train-scope) and its metadata.
 
-`final_turn` follows the original (2.1): prompt = the exact context of the last policy turn,
+`final_turn` follows the original: prompt = the exact context of the last policy turn,
 response = that turn's sampled ids; earlier turns are context only. Departure: the original
-left-pads/truncates the prompt to `max_prompt_length` after sampling (11 item 6); here the
+left-pads/truncates the prompt to `max_prompt_length` after sampling (docs/guided_grpo.md#bug-prompt-truncation); here the
 prompt is the context the engine really saw (the budget was enforced before generating), and
 padding is the learner's business.
 
-`full_turn` is the README's advertised mode the original never implemented (2.2): prompt = the
+`full_turn` is the README's advertised mode the original never implemented: prompt = the
 first turn's context; response = every later token in order: policy turn 1 (through its
 end-of-turn token), the user turn after it (template + verifier text + next assistant header),
 policy turn 2, ..., the last policy turn. `response_mask` is 1 exactly on tokens the policy
@@ -14,7 +14,7 @@ sampled (each turn through its first end-of-turn token, the original's EOS rule 
 turn) and 0 on every template/verifier token, so the learner's log-probs at mask-1 positions are
 computed on exactly the context each token was sampled in. That holds only if no history was
 dropped for the prompt budget: a conversation that dropped turns falls back to `final_turn` for
-that sample (`TrainingSample.fallback`, counted in the metadata), as 2.2 recommends; the length
+that sample (`TrainingSample.fallback`, counted in the metadata); the length
 of a full_turn sample is then at most max_prompt_length + max_response_length by construction.
 
 `behaviour_logprobs` hold the engine's logprob of each sampled token (0 where mask 0) and
@@ -31,7 +31,7 @@ import numpy as np
 
 from asyncrl.actors.guided.conversation import Conversation
 
-__all__ = ["TrainingSample", "build_training_sample", "sample_metadata", "group_metrics", "to_sample"]
+__all__ = ["TrainingSample", "build_training_sample", "sample_metadata", "group_metrics"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class TrainingSample:
 
 
 def _turn_mask(ids: list[int], eos: frozenset[int]) -> list[int]:
-    """1 up to and including the first end-of-turn token, 0 after (2.1 step 3)."""
+    """1 up to and including the first end-of-turn token, 0 after (the original's EOS rule)."""
     out, seen = [], False
     for t in ids:
         out.append(0 if seen else 1)
@@ -99,7 +99,7 @@ def build_training_sample(conversation: Conversation, scope: str | None = None) 
 
 
 def sample_metadata(conversation: Conversation, *, include_text: bool = False) -> dict[str, Any]:
-    """JSON-able per-sample metadata (2.2): turns, finish reason, answer flag, per-turn scores,
+    """JSON-able per-sample metadata: turns, finish reason, answer flag, per-turn scores,
     tokens per role, verifier errors/latency/versions; `include_text` adds the transcript."""
     conv = conversation
     scores = conv.hallucination_scores
@@ -132,32 +132,13 @@ def sample_metadata(conversation: Conversation, *, include_text: bool = False) -
     return meta
 
 
-def to_sample(conversation: Conversation, *, reward: float, reward_parts: dict[str, float] | None = None,
-              scope: str | None = None, include_text: bool = False) -> Any:
-    """The `asyncrl.protocol.Sample` of a finished conversation: training arrays (`scope`, default
-    the options' train_scope), reward, `sample_metadata` (+ `scope`, `scope_fallback`)."""
-    from asyncrl.protocol import Sample  # the wire types are only needed by callers that push
-
-    conv = conversation
-    ts = build_training_sample(conv, scope)
-    meta = sample_metadata(conv, include_text=include_text)
-    meta["scope"], meta["scope_fallback"] = ts.scope, ts.fallback
-    return Sample(
-        uid=conv.uid, prompt_uid=conv.prompt_uid, prompt_ids=ts.prompt_ids, response_ids=ts.response_ids,
-        response_mask=ts.response_mask, behaviour_logprobs=ts.behaviour_logprobs,
-        token_versions=ts.token_versions, reward=float(reward), reward_parts=dict(reward_parts or {}),
-        num_turns=conv.num_turns, finish_reason=conv.finish_reason or "", verifier_version=meta["verifier_version"] or "",
-        metadata=meta,
-    )
-
-
 FINISH_REASONS = ("verifier_stop", "max_turns", "verifier_error", "length")
 
 
 def group_metrics(conversations: Sequence[Conversation]) -> dict[str, float]:
     """Means over one group, named for the `rollout/` namespace: turns, finish-reason fractions,
     verifier errors, hallucination score, and the fraction of distinct final responses (a
-    collapsed group, e.g. from shared seeds (11 item 2), scores low)."""
+    collapsed group, e.g. from shared seeds (docs/guided_grpo.md#bug-shared-seed), scores low)."""
     convs = list(conversations)
     if not convs:
         return {}

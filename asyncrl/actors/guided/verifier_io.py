@@ -1,16 +1,16 @@
 """What crosses the policy/verifier boundary as text: the request, the reply, the answer check.
 
-Follows Guided-GRPO (GUIDED_GRPO.md 1.8-1.11) where it is data the released verifier was
-trained on, and departs where the original is fragile:
+Follows Guided-GRPO (docs/guided_grpo.md#verifier-request to #hallucination-score) where it is
+data the released verifier was trained on, and departs where the original is fragile:
 
-- `render_verifier_messages` reproduces section 1.9 byte for byte: system = the template,
+- `render_verifier_messages` reproduces the original's request byte for byte: system = the template,
   stripped; user = `### Problem Statement` / `### Reference Answer` / `### Conversation History`,
   one `Assistant: ` line per policy turn (the verifier never sees its own earlier guidance),
   `[IMAGE]` / `[VIDEO]` placeholders, `N/A` for a missing or empty reference.
-- `has_final_answer` is section 1.8 exactly (whitespace around `<`, `>`, `/` removed, exactly one
-  `<answer>` and `</answer>`, exactly one `\\boxed{` ... `}` inside, dot matching newlines).
-- `parse_verifier_reply` DEPARTS (section 11 item 8). The original treats a reply as STOP only if
-  it *starts* with the stop token, so a Qwen3 verifier's `<think>` block or a leading score line
+- `has_final_answer` is the original's final-answer rule exactly (whitespace around `<`, `>`, `/`
+  removed, exactly one `<answer>` and `</answer>`, exactly one `\\boxed{` ... `}` inside, dot matching newlines).
+- `parse_verifier_reply` DEPARTS (docs/guided_grpo.md#bug-stop-detection). The original treats a
+  reply as STOP only if it *starts* with the stop token, so a Qwen3 verifier's `<think>` block or a leading score line
   breaks termination, a STOP reply's score is thrown away, and the `[SCORE]` line is shown to the
   policy. asyncrl parses structurally: `<think>` blocks are removed; the `[SCORE]
   hallucination_detect=0|1` value is read (also from STOP replies) and its text is removed from
@@ -22,7 +22,7 @@ trained on, and departs where the original is fragile:
   original reads as STOP is STOP here too (a property test checks it). A stop token inside a sentence (`Correct. ###STOP###`) stays guidance, as in
   the original: a verifier writing "do not send ###STOP### yet" must not end a conversation; the
   text is passed on verbatim.
-- `aggregate_hallucination` is section 1.11: mean of the scored turns, 0.5 when none.
+- `aggregate_hallucination` is the original's: mean of the scored turns, 0.5 when none.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ __all__ = [
 SCORE_PATTERN = re.compile(r"\[SCORE\]\s*hallucination_detect\s*=\s*([01])")
 """Guided-GRPO's score regex (first match anywhere wins)."""
 NEUTRAL_HALLUCINATION_SCORE = 0.5
-"""Score of a conversation none of whose verifier turns carried a score (1.11)."""
+"""Score of a conversation none of whose verifier turns carried a score (the original's
+neutral value)."""
 
 _CLOSING_LINE = "Provide the next piece of guidance following the rules above."
 _ALNUM = re.compile(r"[A-Za-z0-9]")
@@ -75,7 +76,7 @@ def flatten_content(content: Any) -> str:
 
 
 def render_verifier_user_content(problem: Any, reference: str | None, policy_turns: Sequence[Any]) -> str:
-    """The user message of a verifier request (1.9), byte-exact."""
+    """The user message of a verifier request (docs/guided_grpo.md#verifier-request), byte-exact."""
     conversation = "\n".join(f"Assistant: {flatten_content(t)}" for t in policy_turns)
     return (
         f"### Problem Statement\n{flatten_content(problem)}\n\n"
@@ -94,7 +95,7 @@ def render_verifier_messages(
     answer, or None/"" for `N/A` (the caller applies `verifier_sees_reference`); `policy_turns`:
     the policy's turns in order (decoded text); `template`: the verifier system prompt, None = the
     shipped Guided-GRPO default. The template is stripped, as in the original."""
-    from asyncrl.prompts import resolve_verifier_template
+    from asyncrl.data.prompts import resolve_verifier_template
 
     return [
         {"role": "system", "content": resolve_verifier_template(template)},
@@ -179,7 +180,8 @@ def parse_verifier_reply(text: str | None, stop_token: str = "###STOP###", *,
 
 
 def has_final_answer(text: str) -> bool:
-    """Section 1.8 exactly: one `<answer>...</answer>` holding exactly one `\\boxed{...}`."""
+    """Guided-GRPO's final-answer rule exactly: one `<answer>...</answer>` holding exactly one
+    `\\boxed{...}`."""
     normalized = re.sub(r"\s*(<|>|/)\s*", r"\1", text)
     if normalized.count("<answer>") != 1 or normalized.count("</answer>") != 1:
         return False
@@ -190,6 +192,6 @@ def has_final_answer(text: str) -> bool:
 
 
 def aggregate_hallucination(scores: Sequence[int | float | None]) -> float:
-    """Per-conversation score (1.11): mean of the turns that carried a score, 0.5 when none."""
+    """Per-conversation score: mean of the turns that carried a score, 0.5 when none."""
     scored = [float(s) for s in scores if s is not None]
     return sum(scored) / len(scored) if scored else NEUTRAL_HALLUCINATION_SCORE

@@ -1,7 +1,7 @@
 """Prompt data shipped with asyncrl: the Guided-GRPO verifier prompt and student prompts.
 
-The texts live byte-identical to Guided-GRPO (Apache-2.0) in `asyncrl/data/` (see its NOTICE.md);
-this module only reads them. Follows the original: the verifier template and a rendered format
+The texts live byte-identical to Guided-GRPO (Apache-2.0) as package data of `asyncrl.data` (see
+its NOTICE.md); this module only reads them. Follows the original: the verifier template and a rendered format
 prompt are used stripped of surrounding whitespace, exactly as Guided-GRPO does at runtime.
 Importing this module imports no torch, ray or vllm.
 """
@@ -26,13 +26,13 @@ FORMAT_PROMPTS: dict[str, str] = {
     "r1v": "format_prompt/r1v.jinja",
     "dapo": "format_prompt/dapo.jinja",
 }
-"""Built-in `data.format_prompt` names -> files under asyncrl/data."""
+"""Built-in `data.format_prompt` names -> files shipped in the `asyncrl.data` package."""
 
 
 @cache
 def read_data_file(relpath: str) -> str:
-    """Exact text (UTF-8, newlines untouched) of a file under `asyncrl/data/`."""
-    ref = resources.files("asyncrl").joinpath("data", *relpath.split("/"))
+    """Exact text (UTF-8, newlines untouched) of a file shipped in the `asyncrl.data` package."""
+    ref = resources.files("asyncrl.data").joinpath(*relpath.split("/"))
     return ref.read_bytes().decode("utf-8")
 
 

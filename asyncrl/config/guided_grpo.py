@@ -1,15 +1,20 @@
-"""Guided-GRPO compatibility: the key map from the original's YAML (GUIDED_GRPO.md section 6) onto
-asyncrl's config tree, and the converter. Keys with no asyncrl equivalent (FSDP, critic, hybrid
-engine, ...) are returned by name so the loader can report them; nothing is dropped silently.
-The map is documented for users in docs/config.md."""
+"""Guided-GRPO compatibility: the key map from the original's YAML onto asyncrl's config tree, and
+the converter (docs/guided_grpo.md#config-keys). Keys with no asyncrl equivalent (FSDP, critic,
+hybrid engine, ...) are returned by name so the loader can report them; nothing is dropped
+silently. Keys whose behaviour asyncrl removed on purpose (`REMOVED_KEYS`) are reported with what
+to do instead. The only caller is `asyncrl.config.loading.from_guided_grpo`; the map is
+documented for users in docs/config.md."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.config import ConfigError, _set_dotted
+from asyncrl.config.sections import ConfigError
+from asyncrl.config.tree import set_dotted
 
-# Original key (GUIDED_GRPO.md section 6) -> asyncrl key. None = no equivalent (reported by name).
+__all__ = ["GUIDED_GRPO_KEY_MAP", "REMOVED_KEYS", "convert_guided_grpo", "describe_unmapped"]
+
+# Original key -> asyncrl key. None = no equivalent (reported by name).
 GUIDED_GRPO_KEY_MAP: dict[str, str | None] = {
     "data.train_files": "data.train_files",
     "data.val_files": "data.val_files",
@@ -18,7 +23,7 @@ GUIDED_GRPO_KEY_MAP: dict[str, str | None] = {
     "data.image_key": "data.image_key",
     "data.video_key": "data.video_key",
     "data.image_dir": "data.image_dir",
-    "data.video_fps": "data.video_fps",
+    "data.video_fps": None,
     "data.max_prompt_length": "data.max_prompt_length",
     "data.max_response_length": "data.max_response_length",
     "data.rollout_batch_size": "data.rollout_batch_size",
@@ -34,7 +39,7 @@ GUIDED_GRPO_KEY_MAP: dict[str, str | None] = {
     "data.val_batch_size": None,
     "data.filter_overlong_prompts_workers": None,
     "algorithm.gamma": "algorithm.gamma",
-    "algorithm.lam": "algorithm.lam",
+    "algorithm.lam": None,
     "algorithm.adv_estimator": "algorithm.adv_estimator",
     "algorithm.disable_kl": "learner.kl.enable",  # negated
     "algorithm.use_kl_loss": "learner.kl.mode",  # true -> loss, false -> reward
@@ -84,13 +89,13 @@ GUIDED_GRPO_KEY_MAP: dict[str, str | None] = {
     "worker.rollout.limit_images": "rollout.limit_images",
     "worker.rollout.dtype": "rollout.dtype",
     "worker.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
-    "worker.rollout.ignore_eos": "rollout.ignore_eos",
+    "worker.rollout.ignore_eos": None,
     "worker.rollout.enforce_eager": "rollout.enforce_eager",
     "worker.rollout.tensor_parallel_size": "rollout.gpus_per_actor",
     "worker.rollout.max_model_len": "rollout.max_model_len",
     "worker.rollout.max_num_batched_tokens": "rollout.max_num_batched_tokens",
     "worker.rollout.val_override_config": "rollout.val_override_config",
-    "worker.rollout.prompt_truncation": "rollout.prompt_truncation",
+    "worker.rollout.prompt_truncation": None,
     "worker.rollout.name": None,
     "worker.rollout.enable_chunked_prefill": None,
     "worker.rollout.enable_sleep_mode": None,
@@ -137,6 +142,18 @@ GUIDED_GRPO_KEY_MAP: dict[str, str | None] = {
     "trainer.find_last_checkpoint": None,
     "trainer.ray_timeline": None,
 }
+
+REMOVED_KEYS: dict[str, str] = {
+    "data.video_fps": "asyncrl does not decode videos (a video column is carried along, never sampled "
+                      "into frames); remove the key",
+    "algorithm.lam": "GAE's lambda: asyncrl has no critic and no `gae` estimator; remove the key",
+    "worker.rollout.ignore_eos": "asyncrl ends every policy turn at its end-of-turn token; remove the key",
+    "worker.rollout.prompt_truncation": "asyncrl never cuts a sampled prompt: data.max_prompt_length is "
+                                        "enforced before each policy turn by dropping history "
+                                        "(rollout.guide.history), see docs/guided_grpo.md#bug-prompt-truncation; "
+                                        "remove the key",
+}
+"""Original keys whose behaviour asyncrl does not reproduce, with what to do instead."""
 
 _KL_PENALTY = {"kl": "k1", "abs": "abs", "mse": "k2", "low_var_kl": "k3", "k1": "k1", "k2": "k2", "k3": "k3"}
 _LOGGERS = {"console": "console", "file": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}
@@ -199,9 +216,17 @@ def convert_guided_grpo(tree: dict[str, Any]) -> tuple[dict[str, Any], list[str]
             value = str(value)
         elif key == "worker.reward.reward_function" and ":" not in str(value):
             value = f"{value}:main"  # the original's default function name
-        _set_dotted(out, target, value)
+        set_dotted(out, target, value)
     # Guided-GRPO enables the verifier with `enable`; without it the rollout is single-turn.
     out.setdefault("rollout", {}).setdefault("guide", {}).setdefault("enable", False)
     return out, unmapped
 
 
+
+
+def describe_unmapped(keys: list[str]) -> str:
+    """The user-facing message for the keys `convert_guided_grpo` could not map: every key by name,
+    and for a removed behaviour what to do instead."""
+    msg = "Guided-GRPO keys with no asyncrl equivalent (ignored): " + ", ".join(keys)
+    removed = [f"{k}: {REMOVED_KEYS[k]}" for k in keys if k in REMOVED_KEYS]
+    return msg + ("\n  " + "\n  ".join(removed) if removed else "")

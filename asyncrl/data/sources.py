@@ -1,0 +1,169 @@
+"""Where prompts come from: dataset specs, row loading and checking, the overlong-prompt filter.
+
+Follows Guided-GRPO (docs/guided_grpo.md#data-format):
+- `data.train_files` is `path[@split]`: a local .json/.jsonl/.parquet file, a local directory
+  (loader from the files' extension), or a hub id (split default `train`), loaded with HF
+  `datasets`; `prompt_key`/`answer_key` columns; other columns carried along untouched.
+- `data.filter_overlong_prompts` drops training rows whose initial prompt exceeds
+  `max_prompt_length` tokens: `load_training_rows`, the loader the job uses, applies it.
+
+Departs (on purpose): rows missing a required column (or holding null there) fail at load time
+with a ValueError naming the file, the row (0-based within that file) and the column, not deep
+inside a collate function mid-run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.config import DataConfig
+from asyncrl.data.messages import build_messages
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+
+__all__ = ["parse_data_spec", "load_rows", "filter_overlong_prompts", "load_training_rows"]
+
+log = logging.getLogger(__name__)
+
+_EXT_LOADER = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def parse_data_spec(spec: str) -> tuple[str, str]:
+    """`path[@split]` -> (path, split); split defaults to `train`."""
+    path, sep, split = spec.rpartition("@")
+    if not sep or not path or "/" in split:
+        return spec, "train"
+    return path, split
+
+
+def _local_files(path: Path, split: str) -> list[Path]:
+    if path.is_file():
+        return [path]  # a single file is its own (train) split; `@split` is ignored
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _EXT_LOADER)
+    if not files:
+        raise ValueError(f"data directory {path}: no .json/.jsonl/.parquet files")
+    named = [p for p in files if split in re.split(r"[^A-Za-z0-9]+", p.relative_to(path).as_posix())]
+    if named:
+        return named
+    if split == "train":
+        return files
+    raise ValueError(f"data directory {path}: no file for split {split!r} among {[p.name for p in files]}")
+
+
+def load_rows(spec: str, cfg: DataConfig | None = None, *, require_answer: bool = True) -> list[dict[str, Any]]:
+    """Load `path[@split]` (local file/dir or hub id) with HF `datasets` and return its rows as a
+    list of dicts (sliceable, picklable to Ray actors), after checking that every row has the
+    prompt column (text) and, if `require_answer`, the answer column (not null). Raises
+    ValueError naming the file, the 0-based row within it and the column."""
+    import datasets
+
+    cfg = cfg or DataConfig()
+    path_s, split = parse_data_spec(spec)
+    path = Path(os.path.expanduser(path_s))
+    if path.exists():
+        files = _local_files(path, split)
+        loaders = {_EXT_LOADER[p.suffix] for p in files}
+        if len(loaders) > 1:
+            raise ValueError(f"data {spec}: mixed file types {sorted({p.suffix for p in files})}")
+        loader = loaders.pop()
+        parts, sources = [], []
+        for f in files:
+            try:
+                parts.append(datasets.load_dataset(loader, data_files=[str(f)], split="train"))
+            except Exception as exc:
+                raise ValueError(f"data file {f}: cannot be read as {f.suffix}: {exc}") from exc
+            sources.append((str(f), len(parts[-1])))
+        try:
+            ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        except Exception as exc:
+            cols = {s: p.column_names for (s, _), p in zip(sources, parts, strict=True)}
+            raise ValueError(f"data {spec}: files have incompatible columns {cols}: {exc}") from exc
+    else:
+        if path_s.startswith((".", "/", "~")) or path_s.endswith(tuple(_EXT_LOADER)):
+            raise ValueError(f"data {spec}: no such file or directory {path}")
+        try:
+            ds = datasets.load_dataset(path_s, split=split)
+        except Exception as exc:
+            offline = " (HF_HUB_OFFLINE is set: hub datasets cannot be fetched)" if os.environ.get("HF_HUB_OFFLINE") else ""
+            raise ValueError(f"data {spec}: not a local path, and loading it from the hub failed{offline}: {exc}") from exc
+        sources = [(path_s, len(ds))]
+    _check_rows(ds, cfg, sources, require_answer)
+    return ds.to_list()
+
+
+def _check_rows(ds: Any, cfg: DataConfig, sources: list[tuple[str, int]], require_answer: bool) -> None:
+    required = [cfg.prompt_key] + ([cfg.answer_key] if require_answer else [])
+
+    def where(i: int) -> str:
+        for name, n in sources:
+            if i < n:
+                return f"data file {name}, row {i}"
+            i -= n
+        return f"row {i}"
+
+    for col in required:
+        if col not in ds.column_names:
+            raise ValueError(f"{where(0).split(', row')[0]}: no column {col!r} (columns: {ds.column_names}); "
+                             f"set data.{'prompt_key' if col == cfg.prompt_key else 'answer_key'}")
+        for i, value in enumerate(ds[col]):
+            if value is None:
+                raise ValueError(f"{where(i)}: missing column {col!r}")
+            if col == cfg.prompt_key and not isinstance(value, str):
+                raise ValueError(f"{where(i)}: column {col!r} is {type(value).__name__}, expected text")
+
+
+def _as_text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        c = m["content"]
+        if isinstance(c, list):  # media items counted as their marker only (the VL path expands them)
+            c = "".join(p.get("text", "") if p.get("type") == "text" else f"<{p.get('type')}>" for p in c)
+        out.append({"role": m["role"], "content": c})
+    return out
+
+
+def filter_overlong_prompts(rows: Any, tokenizer: Any, cfg: DataConfig | None = None,
+                            batch_size: int = 512) -> tuple[Any, list[int]]:
+    """Drop rows whose initial prompt (chat template + generation prompt) has more than
+    `cfg.max_prompt_length` tokens. Returns (kept rows: a `datasets.Dataset` stays one, a list
+    stays a list; dropped row indices). Image/video items count as their marker only: the
+    processor's image pads are not expanded here (that needs the images)."""
+    cfg = cfg or DataConfig()
+    kwargs = {"chat_template": cfg.override_chat_template} if cfg.override_chat_template else {}
+    if not kwargs and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("filter_overlong_prompts: the tokenizer has no chat template "
+                         "(set data.override_chat_template)")
+    keep, dropped = [], []
+    for start in range(0, len(rows), batch_size):
+        idx = list(range(start, min(start + batch_size, len(rows))))
+        texts = [tokenizer.apply_chat_template(_as_text_messages(build_messages(rows[i], cfg)), tokenize=False,
+                                               add_generation_prompt=True, **kwargs) for i in idx]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        for i, n in zip(idx, lengths, strict=True):
+            (keep if n <= cfg.max_prompt_length else dropped).append(i)
+    if dropped:
+        log.info("filter_overlong_prompts: dropped %d of %d rows longer than %d tokens",
+                 len(dropped), len(rows), cfg.max_prompt_length)
+    kept = rows.select(keep) if hasattr(rows, "select") else [rows[i] for i in keep]
+    return kept, dropped
+
+
+
+def load_training_rows(cfg: Config) -> list[dict[str, Any]]:
+    """The job's training rows: `data.train_files`, without the rows whose initial prompt is longer
+    than `data.max_prompt_length` when `data.filter_overlong_prompts` (counted with the policy's
+    tokenizer and chat template). Every row left can start a conversation within the budget."""
+    rows = load_rows(cfg.data.train_files, cfg.data)
+    if not cfg.data.filter_overlong_prompts:
+        return rows
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                              trust_remote_code=cfg.model.trust_remote_code)
+    kept, _ = filter_overlong_prompts(rows, tokenizer, cfg.data)
+    return kept
