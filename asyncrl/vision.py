@@ -52,7 +52,7 @@ __all__ = [
     "PreparedImages", "load_image", "resize_image", "count_image_items", "align_images", "prepare_images",
     "encode_png", "decode_png", "image_hash", "images_from_wire", "collapse_placeholders", "expand_placeholders",
     "vllm_prompt", "processor_prompt_ids", "vllm_mm_engine_kwargs", "verifier_view", "VLPrompt", "build_vl_prompt",
-    "VERIFIER_PROBLEM_KEY",
+    "VERIFIER_PROBLEM_KEY", "VL_MODEL_TYPES", "is_vl_config", "placeholder_token_ids", "vision_logit_bias",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,33 @@ VERIFIER_PROBLEM_KEY = "verifier_problem"
 """Optional dataset column: the problem text the (text-only) verifier reads instead of the
 policy's text (e.g. arith_vl's figure caption). Absent = Guided-GRPO's behaviour."""
 _warned_no_placeholder = False
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+# ------------------------------------------------------------------------------------ model config
+def is_vl_config(config: Any) -> bool:
+    """Whether an HF config (or a path to one) is a supported Qwen-VL policy."""
+    if isinstance(config, str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(config)
+    return getattr(config, "model_type", "") in VL_MODEL_TYPES
+
+
+def placeholder_token_ids(config: Any) -> tuple[int, int | None]:
+    """(image placeholder id, video placeholder id or None) of a Qwen-VL config."""
+    image = getattr(config, "image_token_id", None)
+    video = getattr(config, "video_token_id", None)
+    if image is None:
+        raise ValueError("config has no image_token_id (not a Qwen-VL policy?)")
+    return int(image), (None if video is None else int(video))
+
+
+def vision_logit_bias(config: Any, bias: float = -100.0) -> dict[int, float]:
+    """{token id: bias} banning the image/video placeholders in sampling (vLLM `logit_bias`); the
+    learner adds the same bias before its softmax, so both sides use one distribution."""
+    image, video = placeholder_token_ids(config)
+    return {t: bias for t in (image, video) if t is not None}
 
 
 # ----------------------------------------------------------------------------------------- loading

@@ -92,7 +92,7 @@ class LearnerActor:
         self.sender = None
         if self.worker.rank != 0:
             return None
-        from asyncrl.learner.weights import WeightSender
+        from asyncrl.weights.sender import WeightSender
 
         cfg = self.worker.cfg
         self.sender = WeightSender(cfg.learner.weights, port, publish=publish, port_range=cfg.cluster.port_range)

@@ -145,7 +145,7 @@ class LearnerWorker:
         self.ds_config = build_ds_config(self.lc, world_size, self.precision)
         # ZeRO-3 partitions at deepspeed.initialize: each rank briefly holds the full model in host
         # memory (partition-on-load via transformers' HfDeepSpeedConfig would need `accelerate`)
-        from asyncrl.learner.multimodal import is_vl_config
+        from asyncrl.vision import is_vl_config
 
         self.is_vl = is_vl_config(path)
         self.vl: Any = None  # multimodal.VLInputBuilder for a VL policy
@@ -165,12 +165,8 @@ class LearnerWorker:
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.is_vl:
-            from asyncrl.learner.multimodal import (
-                VLInputBuilder,
-                freeze_vision_tower,
-                load_vl_processor,
-                vision_logit_bias,
-            )
+            from asyncrl.learner.multimodal import VLInputBuilder, freeze_vision_tower, load_vl_processor
+            from asyncrl.vision import vision_logit_bias
 
             text_cfg = getattr(model.config, "text_config", model.config)
             self.vocab_size = int(getattr(model.config, "vocab_size", None) or text_cfg.vocab_size)

@@ -157,7 +157,7 @@ def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_pa
     this process), in several buckets."""
     import threading
 
-    from asyncrl.actors.weight_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **{
         "learner.cpu_ranks": 2, "learner.zero_stage": 3, "learner.weights.bucket_mb": 0.02,
