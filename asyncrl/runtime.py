@@ -377,13 +377,13 @@ def enrol(topo: Topology, actor_ids: list[str], *, remove_first: bool = False) -
 
     members = [m for aid in actor_ids for m in ray.get(topo.actors[aid].weight_members.remote())]
     if remove_first:
-        topo.learner.weight_sender("remove_receivers", members)
-    topo.learner.weight_sender("add_receivers", members)
+        topo.learner.remove_receivers(members)
+    topo.learner.add_receivers(members)
 
 
 def withdraw(topo: Topology, actor_ids: list[str]) -> None:
     members = [f"{aid}/tp{r}" for aid in actor_ids for r in range(max(1, topo.cfg.rollout.gpus_per_actor))]
-    topo.learner.weight_sender("remove_receivers", members)
+    topo.learner.remove_receivers(members)
 
 
 def sync_weights(topo: Topology) -> dict[str, Any]:

@@ -165,7 +165,7 @@ def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_pa
     two_ranks.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=31))
     expected = two_ranks.export_state()
     address = two_ranks.start_weight_sender(0, False)
-    two_ranks.weight_sender("add_receivers", ["rx"])
+    two_ranks.add_receivers(["rx"])
     got: dict = {}
 
     def receive() -> None:
