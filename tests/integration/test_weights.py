@@ -314,6 +314,7 @@ def test_weight_store_serves_late_joiner():
         for version in (1, 2):
             report = sender.broadcast(state_dict(version).items(), version)
             assert report.published and report.members == []
+        sender.flush()  # publishing runs in a background thread: wait until version 2 is in the store
         version, buckets = fetch_weights(min_version=0)
         assert version == 2
         assert_exact({n: t for m, f in buckets for n, t in unpack_bucket(m, f)}, state_dict(2))
