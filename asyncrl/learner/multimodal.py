@@ -13,10 +13,10 @@ positions (real tokens counted: exactly `collate`'s `position_ids`), rows 1-3 th
 (temporal, height, width) positions from the model's own `get_rope_index` over the WHOLE sequence
 prompt + response, so both train scopes (final_turn: last prompt + last turn; full_turn: first
 prompt + every turn and user turn) get the positions vLLM used when it sampled each token.
-Departs from Guided-GRPO, which trains multi-turn VL samples with plain 1-D positions (11 item 5:
-biased ratios for Qwen3-VL, a crash for Qwen2/2.5-VL) and silently pads/truncates image features
-when their count differs from the image tokens; here such a mismatch raises `ImageTokenMismatch`
-before the forward.
+Departs from Guided-GRPO, which trains multi-turn VL samples with plain 1-D positions (biased
+ratios for Qwen3-VL, a crash for Qwen2/2.5-VL; docs/guided_grpo.md, 'Known bugs of the
+original') and silently pads/truncates image features when their count differs from the image
+tokens; here such a mismatch raises `ImageTokenMismatch` before the forward.
 
 Sampling bans the image/video placeholder tokens (`vision_logit_bias`, as the original's
 logit_bias of -100); `masked_logprobs` applies the same bias on the learner, so old and new
@@ -154,7 +154,7 @@ def group_row_images(groups: Sequence[Any], key: str = "images") -> tuple[list[l
 class VLInputBuilder:
     """Processor outputs + position ids of VL micro-batches, with pixel features cached by image
     sha256 (all samples of a group share the group's images: processed once per step, not once
-    per sample or per turn -- 11 item 13 on the learner side)."""
+    per sample or per turn)."""
 
     def __init__(self, model: Any, processor: Any, cache_size: int = 256):
         self.model = model
