@@ -66,7 +66,8 @@ class Probe:
             client.close()
 
     def store_connect(self, address: str, timeout_s: float) -> str | None:
-        from asyncrl.learner.weights import PREFIX, make_store
+        from asyncrl.weights.group import make_store
+        from asyncrl.weights.wire import PREFIX
 
         host, port = address.rsplit(":", 1)
         try:
@@ -101,7 +102,7 @@ class Probe:
 
     def start_sender(self, weights_json: str, port_range: str | None) -> str:
         from asyncrl.config import WeightSyncConfig
-        from asyncrl.learner.weights import WeightSender
+        from asyncrl.weights.sender import WeightSender
 
         self.sender = WeightSender(WeightSyncConfig.model_validate_json(weights_json), port_range=port_range)
         return self.sender.address
@@ -116,7 +117,7 @@ class Probe:
         return self.sender.broadcast([("doctor.weight", tensor)], version).as_dict()
 
     def receive(self, address: str, member_id: str, timeout_s: float) -> dict[str, Any]:
-        from asyncrl.actors.weight_receiver import WeightReceiver
+        from asyncrl.weights.receiver import WeightReceiver
 
         if getattr(self, "receiver", None) is None:
             self.receiver = WeightReceiver(address, member_id, timeout_s)

@@ -88,6 +88,7 @@ class Topology:
     coordinator: Any = None
     verifier: Any = None
     learner: Any = None
+    weight_store: Any = None  # asyncrl.weights.store.WeightStoreHandle: late joiners' copy, owned by the job
     weights: Any = None
     actors: dict[str, Any] = field(default_factory=dict)
     actor_cls: Any = None
@@ -109,10 +110,9 @@ class Topology:
         if self.learner is not None:
             self.learner.shutdown()
             self.learner = None
-            try:  # detached (it outlives a restarted learner); on a shared cluster it must not outlive the job
-                ray.kill(ray.get_actor("WeightStore", namespace=self.namespace))
-            except ValueError:
-                pass  # nothing was published
+        if self.weight_store is not None:
+            self.weight_store.shutdown()
+            self.weight_store = None
         if self.verifier is not None:
             try:
                 from ray import serve
@@ -263,6 +263,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     from asyncrl.learner.group import LearnerGroup
     from asyncrl.replay.host import BufferHost
     from asyncrl.serve.deploy import deploy_verifier
+    from asyncrl.weights.store import start_weight_store
 
     namespace = ray.get_runtime_context().namespace
     topo = Topology(cfg, run_dir, namespace)
@@ -301,6 +302,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             topo.verifier = deploy_verifier(cfg)
             if cfg.rollout.guide.enable:
                 probe_verifier(cfg)
+        with step_timer("weight store"):
+            topo.weight_store = start_weight_store(namespace)
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
             topo.learner = LearnerGroup(cfg)
             if resume:
@@ -374,13 +377,13 @@ def enrol(topo: Topology, actor_ids: list[str], *, remove_first: bool = False) -
 
     members = [m for aid in actor_ids for m in ray.get(topo.actors[aid].weight_members.remote())]
     if remove_first:
-        topo.learner.weight_sender("remove_receivers", members)
-    topo.learner.weight_sender("add_receivers", members)
+        topo.learner.remove_receivers(members)
+    topo.learner.add_receivers(members)
 
 
 def withdraw(topo: Topology, actor_ids: list[str]) -> None:
     members = [f"{aid}/tp{r}" for aid in actor_ids for r in range(max(1, topo.cfg.rollout.gpus_per_actor))]
-    topo.learner.weight_sender("remove_receivers", members)
+    topo.learner.remove_receivers(members)
 
 
 def sync_weights(topo: Topology) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Images of a multimodal prompt: loading, resizing, trimming, wire encoding (GUIDED_GRPO.md 7.1-7.2,
-1.6; 11 items 13-14).
+"""Images of a multimodal prompt: loading, resizing, trimming, wire encoding, and the Qwen-VL
+config helpers both roles need (`is_vl_config`, `vision_logit_bias`). The original's image
+handling is described in docs/guided_grpo.md, 'Images'.
 
 One pipeline, used by the rollout AND the learner, so both see the same pixels:
 
@@ -10,17 +11,17 @@ One pipeline, used by the rollout AND the learner, so both see the same pixels:
     # learner: asyncrl.learner.multimodal.group_row_images(groups) -> decoded images per row
 
 Guarantees
-- `load_image` accepts what Guided-GRPO's image column accepts (7.1): a PIL image, a path (joined to
+- `load_image` accepts what Guided-GRPO's image column accepts: a PIL image, a path (joined to
   `image_dir` when relative), raw bytes, or a dict with `bytes` (or `path`).
-- `resize_image` is the original's rule (7.2 item 6): downscale by sqrt(max_pixels/area) when the
+- `resize_image` is the original's rule: downscale by sqrt(max_pixels/area) when the
   area exceeds max_pixels, upscale by sqrt(min_pixels/area) when below min_pixels (int-truncated
   sizes, PIL's default resampling), then convert to RGB.
-- `align_images` is the original's placeholder alignment (1.6): k = #images, cut to `limit_images`
+- `align_images` is the original's placeholder alignment: k = #images, cut to `limit_images`
   when > 0; p = #image items in all messages; p == 0 -> images dropped (a one-time warning); else
   the first min(k, p) image items and images are kept, later image items are removed (a message
   left with no items gets content ""), later images dropped. asyncrl applies it ONCE per prompt,
   before anything is encoded, and ships the trimmed images: the learner never sees the untrimmed
-  list (the original trims only in the rollout, 11 item 14).
+  list (the original trims only in the rollout).
 - Images travel as PNG bytes of the final (resized, RGB, trimmed) image, once per group, each with
   its sha256. PNG is lossless, so `decode_png(encode_png(img))` has exactly the pixels vLLM was
   given and the learner's processor recomputes exactly the features the engine used.
@@ -52,7 +53,7 @@ __all__ = [
     "PreparedImages", "load_image", "resize_image", "count_image_items", "align_images", "prepare_images",
     "encode_png", "decode_png", "image_hash", "images_from_wire", "collapse_placeholders", "expand_placeholders",
     "vllm_prompt", "processor_prompt_ids", "vllm_mm_engine_kwargs", "verifier_view", "VLPrompt", "build_vl_prompt",
-    "VERIFIER_PROBLEM_KEY",
+    "VERIFIER_PROBLEM_KEY", "VL_MODEL_TYPES", "is_vl_config", "placeholder_token_ids", "vision_logit_bias",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,33 @@ VERIFIER_PROBLEM_KEY = "verifier_problem"
 """Optional dataset column: the problem text the (text-only) verifier reads instead of the
 policy's text (e.g. arith_vl's figure caption). Absent = Guided-GRPO's behaviour."""
 _warned_no_placeholder = False
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+# ------------------------------------------------------------------------------------ model config
+def is_vl_config(config: Any) -> bool:
+    """Whether an HF config (or a path to one) is a supported Qwen-VL policy."""
+    if isinstance(config, str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(config)
+    return getattr(config, "model_type", "") in VL_MODEL_TYPES
+
+
+def placeholder_token_ids(config: Any) -> tuple[int, int | None]:
+    """(image placeholder id, video placeholder id or None) of a Qwen-VL config."""
+    image = getattr(config, "image_token_id", None)
+    video = getattr(config, "video_token_id", None)
+    if image is None:
+        raise ValueError("config has no image_token_id (not a Qwen-VL policy?)")
+    return int(image), (None if video is None else int(video))
+
+
+def vision_logit_bias(config: Any, bias: float = -100.0) -> dict[int, float]:
+    """{token id: bias} banning the image/video placeholders in sampling (vLLM `logit_bias`); the
+    learner adds the same bias before its softmax, so both sides use one distribution."""
+    image, video = placeholder_token_ids(config)
+    return {t: bias for t in (image, video) if t is not None}
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -88,7 +116,7 @@ def load_image(obj: Any, image_dir: str | os.PathLike[str] | None = None) -> Ima
 
 
 def resize_image(img: Image.Image, min_pixels: int | None, max_pixels: int | None) -> Image.Image:
-    """Guided-GRPO's `process_image` (7.2 item 6): area bounds by an isotropic factor, then RGB."""
+    """Guided-GRPO's `process_image`: area bounds by an isotropic factor, then RGB."""
     if max_pixels is not None and img.width * img.height > max_pixels:
         f = math.sqrt(max_pixels / (img.width * img.height))
         img = img.resize((int(img.width * f), int(img.height * f)))
@@ -112,7 +140,7 @@ def count_image_items(messages: Sequence[dict[str, Any]]) -> int:
 
 def align_images(messages: Sequence[dict[str, Any]], images: Sequence[Any] | None,
                  limit_images: int = 0) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Placeholder alignment of GUIDED_GRPO.md 1.6 (see the module docstring). Returns new
+    """Guided-GRPO's placeholder alignment (see the module docstring). Returns new
     messages (inputs untouched) and the kept images (first ones, in order)."""
     global _warned_no_placeholder
     msgs = [dict(m) for m in messages]
@@ -196,7 +224,7 @@ def images_from_wire(entries: Sequence[dict[str, Any]] | None) -> list[Image.Ima
 
 def prepare_images(messages: Sequence[dict[str, Any]], images: Sequence[Any] | None, data_cfg: Any = None,
                    limit_images: int = 0) -> tuple[list[dict[str, Any]], PreparedImages]:
-    """Align (1.6, with `limit_images`), then load + resize (7.2) only the kept images, then PNG.
+    """Align (with `limit_images`), then load + resize only the kept images, then PNG.
     `data_cfg`: an object with `image_dir`, `min_pixels`, `max_pixels` (DataConfig) or None."""
     msgs, kept = align_images(messages, images, limit_images)
     image_dir = getattr(data_cfg, "image_dir", None)
@@ -250,7 +278,7 @@ def vllm_prompt(prompt_ids: Sequence[int], images: Sequence[Image.Image], image_
 
 def processor_prompt_ids(processor: Any, messages: Sequence[dict[str, Any]], images: Sequence[Image.Image],
                          **template_kwargs: Any) -> list[int]:
-    """Prompt ids of the first turn with the image pads expanded, as Guided-GRPO makes them (1.6):
+    """Prompt ids of the first turn with the image pads expanded, as Guided-GRPO makes them:
     the processor's chat template (generation prompt, not tokenized) run through the processor
     with the prompt's final images. Pass these as `Conversation(..., prompt_ids=...)`."""
     text = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
@@ -288,7 +316,7 @@ class VLPrompt:
     """Everything a rollout needs for one multimodal prompt (built once per group)."""
 
     messages: list[dict[str, Any]]
-    """Aligned policy messages (1.6)."""
+    """Aligned policy messages (`align_images`)."""
     verifier_messages: list[dict[str, Any]]
     """What to give `make_group` / `Conversation` as `messages` (verifier request + transcript)."""
     prompt_ids: list[int]

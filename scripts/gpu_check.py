@@ -9,7 +9,7 @@ package or device skips only the stages that need it):
      pydantic, numpy, safetensors, msgpack, yaml, vllm, ray import.
   S1 the learner's chunked logprob / entropy kernels (asyncrl.learner.losses) on bf16 logits at a
      152k vocabulary against an fp32 reference: values, gradients, peak memory vs the unchunked form.
-  S2 the weight wire (asyncrl.learner.weights): bf16 bucket pack/unpack bit-exact on the device;
+  S2 the weight wire (asyncrl.weights): bf16 bucket pack/unpack bit-exact on the device;
      a one-rank NCCL group built the way the weight group builds it, a broadcast bounded by
      `wait_work`, then `abort_group`; a gloo sender -> receiver round with CUDA tensors (receiver
      in a thread); pinned vs pageable device-to-host copy throughput. NCCL refuses two ranks on one
@@ -24,7 +24,7 @@ package or device skips only the stages that need it):
      can be carried to a machine without network).
 
 Imports only the standard library, torch, transformers, numpy, safetensors and asyncrl modules that
-import nothing else at import time (asyncrl.learner.weights / losses / batching), so it runs where
+import nothing else at import time (asyncrl.weights / learner.losses / learner.batching), so it runs where
 pydantic, pyzmq, ray and vllm are absent. Writes `<out>/gpu_check-<date>-<device>.json` and a
 readable summary next to it (also printed).
 """
@@ -175,15 +175,9 @@ def s1_kernels(args) -> dict[str, Any]:
 def s2_wire(args) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from asyncrl.learner.weights import (
-        WeightSender,
-        abort_group,
-        make_group,
-        make_store,
-        pack_buckets,
-        unpack_bucket,
-        wait_work,
-    )
+    from asyncrl.weights.group import abort_group, make_group, make_store, wait_work
+    from asyncrl.weights.sender import WeightSender
+    from asyncrl.weights.wire import pack_buckets, unpack_bucket
 
     dev = torch.device("cpu") if args.cpu else _device(False)
     out: dict[str, Any] = {}
@@ -214,7 +208,7 @@ def s2_wire(args) -> dict[str, Any]:
         out["nccl_one_rank"] = "skipped: no CUDA/NCCL (dry mode)"
 
     # gloo sender -> receiver (thread) with device tensors: bit-exact
-    from asyncrl.actors.weight_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     cfg = argparse.Namespace(bucket_mb=1.0 * n, gloo_bucket_mb=16.0, backend="gloo", timeout_s=30.0, host="127.0.0.1")
     sender = WeightSender(cfg, members=["r0"])

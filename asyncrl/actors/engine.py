@@ -1,5 +1,5 @@
 """`PolicyEngine`: the one module that talks to vLLM (plus its worker extension in
-`weight_receiver.py`). vLLM upgrades break private APIs; keeping them here keeps the breakage in
+`worker_extension.py`). vLLM upgrades break private APIs; keeping them here keeps the breakage in
 one small, tested place.
 
 Guarantees:
@@ -48,16 +48,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
-from asyncrl.actors.weight_receiver import announced_version
 from asyncrl.config import rollout_device_defaults
-from asyncrl.learner.weights import WeightSender, WeightsInput, fetch_weights
+from asyncrl.weights.local import LocalFeed
+from asyncrl.weights.receiver import announced_version
+from asyncrl.weights.store import STORE_NAME, fetch_weights
+from asyncrl.weights.wire import WeightsInput
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "asyncrl.actors.weight_receiver.WeightReceiverExtension"
+EXTENSION = "asyncrl.actors.worker_extension.WeightReceiverExtension"
 
 
 @dataclass
@@ -95,7 +96,7 @@ class PolicyEngine:
     def __init__(self, model_path: str, cfg: Any, *, engine_id: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, tokenizer_path: str | None = None,
                  weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
-                 store_name: str = "WeightStore", logprobs_mode: str = "processed_logprobs",
+                 store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
                  version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
                  limit_images: int = 0) -> None:
         """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
@@ -280,25 +281,25 @@ class PolicyEngine:
 
     async def load_named_tensors(self, weights: WeightsInput, version: int) -> dict[str, Any]:
         """Load (name, tensor) pairs, buckets of them, or packed `(manifest, flat)` buckets into
-        the engine through a private loopback gloo group (same path as the broadcast)."""
+        the engine through a private loopback gloo group (`asyncrl.weights.local.LocalFeed`: the
+        same wire and checks as the broadcast)."""
         return await self._paused(lambda: self._load_named_unpaused(weights, version))
 
     async def _load_named_unpaused(self, weights: WeightsInput, version: int) -> dict[str, Any]:
-        cfg = SimpleNamespace(bucket_mb=self.weight_bucket_mb, gloo_bucket_mb=16.0, backend="gloo",
-                              timeout_s=self.weight_timeout_s, host="127.0.0.1")
         prefix = f"{self.engine_id}-local"
-        sender = WeightSender(cfg, port=0, members=self.weight_member_ids(prefix))
+        feed = LocalFeed(self.weight_member_ids(prefix), bucket_mb=self.weight_bucket_mb,
+                         timeout_s=self.weight_timeout_s)
         try:
             rpc = asyncio.ensure_future(self.llm.collective_rpc(
-                "asyncrl_receive_weights", timeout=4 * cfg.timeout_s + 30,
-                args=(sender.address, prefix, cfg.timeout_s)))
-            report = await asyncio.to_thread(sender.broadcast, weights, version)
+                "asyncrl_receive_weights", timeout=4 * feed.timeout_s + 30,
+                args=(feed.address, prefix, feed.timeout_s)))
+            report = await asyncio.to_thread(feed.send, weights, version)
             out = _merge_worker_results(await rpc)
             out["bytes"] = report.bytes
             return out
         finally:
-            await self.llm.collective_rpc("asyncrl_close_receiver", args=(sender.address, prefix))
-            sender.close()
+            await self.llm.collective_rpc("asyncrl_close_receiver", args=(feed.address, prefix))
+            feed.close()
 
     async def load_weights_from_store(self, min_version: int | None = None) -> dict[str, Any]:
         """Catch up from the `WeightStore` copy (late join, restart, dropped member). Loads only

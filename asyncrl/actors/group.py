@@ -31,7 +31,7 @@ from asyncrl.protocol import Group, Sample
 @dataclass
 class VLContext:
     """What a rollout actor of a vision-language policy (Qwen-VL) holds besides the text pieces:
-    the HF processor, the placeholder ban (`multimodal.vision_logit_bias`, the same bias the
+    the HF processor, the placeholder ban (`vision.vision_logit_bias`, the same bias the
     learner applies before its softmax) and the image placeholder id. None for text policies."""
 
     processor: Any

@@ -107,7 +107,7 @@ class RolloutWorker:
         None. VL conversations need rollout.guide.history=full (processor-made prompt ids)."""
         from transformers import AutoConfig
 
-        from asyncrl.learner.multimodal import is_vl_config
+        from asyncrl.vision import is_vl_config
 
         cfg = self.cfg
         hf_config = AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
@@ -117,7 +117,7 @@ class RolloutWorker:
 
         from asyncrl.actors.group import VLContext
         from asyncrl.actors.guided import PolicyChat
-        from asyncrl.learner.multimodal import vision_logit_bias
+        from asyncrl.vision import vision_logit_bias
 
         if cfg.rollout.guide.history != "full":
             raise ValueError("a vision-language policy needs rollout.guide.history=full")

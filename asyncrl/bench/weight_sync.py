@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.bench.common import print_table
-from asyncrl.learner.weights import WeightSender
+from asyncrl.weights.sender import WeightSender
 
 HOST = "127.0.0.1"
 WAIT_S = 180.0  # generous per-wait bound; a broken bench fails instead of hanging
@@ -36,7 +36,7 @@ def _receiver(address: str, port: int, rank: int, max_receivers: int) -> None:
     """Takes part in every round the driver orders through its `cmd/{rank}/{i}` keys, in order.
     Joins one plain gloo group per receiver count k >= rank (`flat{k}`, world k + 1)."""
     torch.set_num_threads(1)
-    from asyncrl.actors.weight_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     store = dist.TCPStore(HOST, port, None, False, timedelta(seconds=WAIT_S), wait_for_workers=False)
     flat = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"flat{k}", store), rank, k + 1, timedelta(seconds=WAIT_S))

@@ -14,7 +14,7 @@ Inputs
 - `group_index`: [N] group id per sample (ints, or any hashable values, e.g. prompt uids).
 - `response_mask`: [N, T], 1 on trained response tokens.
 
-Follows Guided-GRPO (GUIDED_GRPO.md 5.1):
+Follows Guided-GRPO (docs/guided_grpo.md, 'Advantages'):
 - `grpo`: A_i = (s_i - mean_g) / (std_g + eps), std UNBIASED (N-1), eps 1e-6; a group whose
   rewards are all equal gets A = 0; groups need >= 2 samples (the original asserts the same).
 - `rloo`: A_i = s_i - mean of the OTHER samples of the group.
@@ -30,20 +30,22 @@ Departs from Guided-GRPO:
 - `dr_grpo` (not in the original): A_i = s_i - mean_g, no std, no length normalisation (pair it
   with `loss_avg_mode=seq_sum_token_mean` for the full Dr.GRPO objective).
 - `grpo_passk`: the original leaves the raw score s_j as the advantage of the non-best samples
-  (GUIDED_GRPO.md 11 item 16); here they get 0, as intended. The best sample (first on ties)
+  (docs/guided_grpo.md, 'Known bugs of the original'); here they get 0, as intended. The best sample (first on ties)
   gets (r1 - r2) / (std_g + eps) (or r1 - r2 with `norm_by_std=False`).
 - `reinforce_plus_plus` skips untrained positions (t' = the next trained token) where the
   original resets the running return at every mask-0 token. Identical for right padding; with a
   multi-turn mask whose holes are verifier/user tokens, the original would cut the final reward
   off from every earlier turn.
-- `gae` is not offered (asyncrl has no critic; the original's is broken, item 16).
+- `gae` is not offered (asyncrl has no critic, and the original's GAE is broken:
+  docs/guided_grpo.md, 'Known bugs of the original').
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,6 +57,9 @@ __all__ = [
     "advantages_from_config",
     "scores_to_token_rewards",
     "group_ids",
+    "turn_score_advantages",
+    "turn_token_scores",
+    "sample_baselines",
     "ESTIMATORS",
 ]
 
@@ -241,4 +246,39 @@ def turn_score_advantages(token_scores: torch.Tensor, group_index: torch.Tensor,
         if not torch.isfinite(std) or std < eps:
             continue
         out[sel] = (vals - vals.mean()) / (std + eps)
+    return out
+
+
+def sample_baselines(samples: Sequence[Any]) -> Tensor:
+    """[N] per-sample baseline rewards for `remax` (`sample.metadata['baseline_reward']`, NaN where absent)."""
+    return torch.tensor([float(s.metadata.get("baseline_reward", float("nan"))) for s in samples])
+
+
+def turn_token_scores(samples: Sequence[Any], shape: tuple[int, int],
+                      accept_score: float | None = None) -> torch.Tensor:
+    """[N, T] verifier step score of each trained token's turn (NaN where unscored). Turns are
+    the contiguous mask-1 runs of the response, matched to the sample's last per-turn scores
+    (final_turn: the last turn; full_turn: every turn). A final turn the verifier accepted
+    (STOP token after a formatted final answer) scores `accept_score` when it is not None."""
+    out = torch.full(shape, float("nan"))
+    for i, smp in enumerate(samples):
+        meta = smp.metadata
+        scores = list(meta.get("hallucination_scores") or [])
+        causes = list(meta.get("stop_causes") or [])
+        if (accept_score is not None and scores and scores[-1] is None and meta.get("has_final_answer")
+                and len(causes) == len(scores) and causes[-1] == "stop_token"):
+            scores[-1] = accept_score
+        mask = np.asarray(smp.response_mask)
+        runs, start = [], None
+        for t, m in enumerate(mask):
+            if m and start is None:
+                start = t
+            if not m and start is not None:
+                runs.append((start, t))
+                start = None
+        if start is not None:
+            runs.append((start, len(mask)))
+        for (a, b), score in zip(runs, scores[-len(runs):] if runs else []):
+            if score is not None:
+                out[i, a:b] = float(score)
     return out

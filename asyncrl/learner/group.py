@@ -9,10 +9,12 @@
   results come from rank 0 (metrics are identical on every rank).
 - Groups travel to the ranks as `asyncrl.protocol` msgpack frames put once in the object store
   (no pickled Python objects on the way).
-- Weights: `start_weight_sender()` creates `learner.weights.WeightSender` on rank 0 (returns the
-  address receivers join), `weight_sender(method, *args)` manages its members, and
+- Weights: `start_weight_sender()` creates an `asyncrl.weights.WeightSender` on rank 0 (returns
+  the address receivers join), `add_receivers` / `remove_receivers` manage its members, and
   `broadcast_weights()` streams the export bucket by bucket: every rank walks the same buckets (the
-  ZeRO-3 gathers are collectives), rank 0 broadcasts them as the current version.
+  ZeRO-3 gathers are collectives), rank 0 broadcasts them as the current version and publishes
+  the store copy into the job's `WeightStore` (started by the topology, found by name, so a
+  rebuilt learner publishes into the same store).
 - Checkpoints: `save_checkpoint(step, fill)` makes the temporary directory, has every rank write
   its part, calls `fill(tmp_dir)` (the lead adds the buffer snapshot and data cursor there), then
   commits atomically and prunes to `trainer.save_limit`.
@@ -88,19 +90,25 @@ class LearnerActor:
         return self.worker.version
 
     def start_weight_sender(self, port: int = 0, publish: bool = True) -> str | None:
-        """Rank 0: create the `WeightSender` (learner.weights) and return its address; others: None."""
+        """Rank 0: create the `WeightSender` and return its address; others: None."""
         self.sender = None
         if self.worker.rank != 0:
             return None
-        from asyncrl.learner.weights import WeightSender
+        from asyncrl.weights.sender import WeightSender
 
         cfg = self.worker.cfg
         self.sender = WeightSender(cfg.learner.weights, port, publish=publish, port_range=cfg.cluster.port_range)
         return self.sender.address
 
-    def weight_sender(self, method: str, *args: Any) -> Any:
-        """Rank 0: call a WeightSender method (add_receivers, remove_receivers, rebuild...)."""
-        return getattr(self.sender, method)(*args) if self.worker.rank == 0 else None
+    def add_receivers(self, ids: list[str]) -> None:
+        """Rank 0: schedule weight-group members to join (the group is rebuilt at the next broadcast)."""
+        if self.worker.rank == 0:
+            self.sender.add_receivers(ids)
+
+    def remove_receivers(self, ids: list[str]) -> None:
+        """Rank 0: take members out of the weight group (they are told at once, the group is rebuilt lazily)."""
+        if self.worker.rank == 0:
+            self.sender.remove_receivers(ids)
 
     def broadcast_weights(self) -> dict[str, Any] | None:
         """All ranks: export bucket by bucket (same bucket size everywhere, so ZeRO-3 gathers line
@@ -112,10 +120,6 @@ class LearnerActor:
         for _ in buckets:  # take part in the gathers (ZeRO-3); a no-op walk otherwise
             pass
         return None
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run any LearnerWorker method on this rank (e.g. the weight sender hook on rank 0)."""
-        return getattr(self.worker, method)(*args, **kwargs)
 
     def version(self) -> int:
         return self.worker.version
@@ -226,10 +230,17 @@ class LearnerGroup:
         """Create rank 0's WeightSender; returns the address receivers join."""
         return self._all("start_weight_sender", port, publish)[0]
 
-    def weight_sender(self, method: str, *args: Any) -> Any:
+    def add_receivers(self, ids: Sequence[str]) -> None:
+        """Members (engine ids `{actor}/tp{r}`) to join the weight group at the next broadcast."""
         import ray
 
-        return ray.get(self.actors[0].weight_sender.remote(method, *args), timeout=self.cfg.learner.batch_timeout_s)
+        ray.get(self.actors[0].add_receivers.remote(list(ids)), timeout=self.cfg.learner.batch_timeout_s)
+
+    def remove_receivers(self, ids: Sequence[str]) -> None:
+        """Members to leave the weight group (withdrawn or replaced actors)."""
+        import ray
+
+        ray.get(self.actors[0].remove_receivers.remote(list(ids)), timeout=self.cfg.learner.batch_timeout_s)
 
     def broadcast_weights(self) -> dict[str, Any]:
         """Publish the current version to the weight group (and the WeightStore); rank 0's report."""
@@ -238,14 +249,6 @@ class LearnerGroup:
     def export_state(self, bucket_bytes: int = 64 * 2**20) -> dict[str, Any]:
         """Full parameters as CPU tensors (rank 0's export); for tests and small models."""
         return self._all("export_state", bucket_bytes)[0]
-
-    def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None) -> list[Any]:
-        """Run a LearnerWorker method on the given ranks (default all) and return their results."""
-        import ray
-
-        chosen = range(self.world_size) if ranks is None else ranks
-        return ray.get([self.actors[r].call.remote(method, *args) for r in chosen],
-                       timeout=self.cfg.learner.batch_timeout_s)
 
     def checkpoint_root(self) -> Path:
         return self.cfg.run_path / "checkpoints"

@@ -7,9 +7,10 @@ Estimators of KL(pi || pi_ref) on tokens sampled from pi (d = logp - logp_ref), 
 - `k2`: d^2 / 2                (Guided-GRPO `mse`)
 - `k3`: e^x - x - 1 with x = clamp(-d, -20, 20), result clamped to [-10, 10]
                                (Guided-GRPO `low_var_kl`, clamps included, for parity)
-The original's `full` estimator is mis-specified (GUIDED_GRPO.md 11 item 16) and not offered.
+The original's `full` estimator is mis-specified (docs/guided_grpo.md, 'Known bugs of the
+original') and not offered.
 
-Applying it (GUIDED_GRPO.md 5.2):
+Applying it (docs/guided_grpo.md, 'KL'):
 - as a loss term: `losses.policy_loss` adds beta * agg(kl(logp, logp_ref)) with the policy loss's
   own aggregation, so the term is exact under gradient accumulation too;
 - in the reward: `apply_kl_penalty` gives r_t - beta * kl(logp, logp_ref) * m_t (the original
@@ -19,7 +20,7 @@ Applying it (GUIDED_GRPO.md 5.2):
 Controllers: `FixedKLController` (beta constant) and `AdaptiveKLController`
 (beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon), n_steps = batch size,
 as the original). Departs from the original: both have `state_dict` / `load_state_dict` so the
-adaptive beta survives checkpoints (item 21), and the learner may drive the controller with the
+adaptive beta survives checkpoints (the original does not save it), and the learner may drive the controller with the
 KL it measures in either mode (the original only adapts the in-reward penalty).
 """
 

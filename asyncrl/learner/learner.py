@@ -22,9 +22,15 @@ only (`logits_to_keep`). When a step has one mini-batch and one epoch, pi_prox e
 training forward's own detached log-probs (same weights, same inputs), so that forward is reused
 instead of a second pass (exact; saves a third of the compute); otherwise pi_prox is recomputed.
 
-Departs from Guided-GRPO: the LR scheduler steps per optimizer step (item 20); the warmup factor
-is (s + 1) / warmup, so the first step does not run at LR 0; loss aggregation is exact across
-micro-batches and ranks in every mode (item 18).
+Model, optimizer and DeepSpeed engine are built in `build.py`; this module is the step. The
+step's inputs (groups -> flat batch, the per-sample baselines and turn scores the advantages
+read) are computed in `train_step` and passed down as arguments; its metrics come from one
+function, `step_metrics`.
+
+Departs from Guided-GRPO: the LR scheduler steps per optimizer step, and the warmup factor is
+(s + 1) / warmup, so the first step does not run at LR 0 (`build.lr_factor`); loss aggregation is
+exact across micro-batches and ranks in every mode, where the original's depends on the
+micro-batch split (docs/guided_grpo.md, 'Known bugs of the original').
 """
 
 from __future__ import annotations
@@ -33,16 +39,21 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from asyncrl.config import Config, LearnerConfig
+from asyncrl.config import Config
 from asyncrl.learner import checkpoint as ckpt
-from asyncrl.learner.advantages import compute_advantages, scores_to_token_rewards, turn_score_advantages
+from asyncrl.learner.advantages import (
+    compute_advantages,
+    sample_baselines,
+    scores_to_token_rewards,
+    turn_score_advantages,
+    turn_token_scores,
+)
 from asyncrl.learner.batching import (
     FlatBatch,
     MicroBatch,
@@ -53,6 +64,7 @@ from asyncrl.learner.batching import (
     shard_indices,
     split_mini_batches,
 )
+from asyncrl.learner.build import build_engine, init_distributed, load_policy
 from asyncrl.learner.kl import apply_kl_penalty, make_kl_controller
 from asyncrl.learner.losses import (
     entropy_from_logits,
@@ -64,44 +76,46 @@ from asyncrl.learner.losses import (
     unstack_metrics,
 )
 
-__all__ = ["LearnerWorker", "build_ds_config", "lr_factor"]
+__all__ = ["LearnerWorker", "step_metrics"]
+
+RowImages = tuple[list[list[Any]], list[list[str]] | None]
+"""A VL step's decoded images of every FlatBatch row and their sha256s (`multimodal.group_row_images`)."""
 
 
-def build_ds_config(lc: LearnerConfig, world_size: int, precision: str) -> dict[str, Any]:
-    """DeepSpeed config from `learner.*`. Batch sizes are nominal (1 per micro-step): the learner
-    owns micro-batching and calls `engine.step()` itself (unmanaged gradient accumulation)."""
-    zero: dict[str, Any] = {"stage": lc.zero_stage}
-    if lc.zero_stage == 3:
-        # unmanaged accumulation supports overlap_comm only with stage 2
-        zero.update(overlap_comm=False, stage3_param_persistence_threshold=0, stage3_max_live_parameters=int(1e9),
-                    stage3_prefetch_bucket_size=int(5e7))
-    elif lc.zero_stage in (1, 2):
-        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size=int(5e7),
-                    allgather_bucket_size=int(5e7))
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": lc.max_grad_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
-        "fp16": {"enabled": False},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-
-
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier for optimizer step `step` (0-based): linear warmup (s+1)/warmup, then constant
-    or cosine down to `min_ratio` at `total`."""
-    if step < warmup:
-        return (step + 1) / max(1, warmup)
-    if schedule == "constant":
-        return 1.0
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
-    return max(min_ratio, (1 + min_ratio) / 2 + (1 - min_ratio) / 2 * math.cos(math.pi * p))
+def step_metrics(flat: FlatBatch, advantages: torch.Tensor, loss_metrics: dict[str, float],
+                 extra: dict[str, float], *, version: int, optim_steps: int, skipped: int, skipped_total: int,
+                 grad_norms: Sequence[float], lrs: Sequence[float], kl_coef: float, ppo_epochs: int,
+                 step_s: float, prox_s: float, padded_tokens: float, micro_batches: float) -> dict[str, float]:
+    """The metrics of one step: the loss metrics (already summed over micro-batches and ranks and
+    finalised), the advantage extras, and the `train/` and `perf/` figures of the batch.
+    `padded_tokens` / `micro_batches` are totals over ranks; `version` is the new one."""
+    out = dict(loss_metrics)
+    mask = flat.response_mask
+    real_tokens = int(flat.prompt_lengths.sum() + flat.response_lengths.sum())
+    lag = (version - 1 - flat.token_versions.float()) * mask
+    out.update(extra)
+    out.update({
+        "train/version": float(version),
+        "train/optimizer_steps": float(optim_steps),
+        "train/skipped_steps": float(skipped),
+        "train/skipped_steps_total": float(skipped_total),
+        "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+        "train/lr": lrs[-1] if lrs else float("nan"),
+        "train/kl_coef": kl_coef,
+        "train/reward_mean": float(flat.rewards.mean()),
+        "train/advantage_abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp_min(1)),
+        "train/version_lag_mean": float(lag.sum() / mask.sum().clamp_min(1)),
+        "train/response_length_mean": float(flat.response_lengths.mean()),
+        "train/num_samples": float(flat.num_samples),
+        "perf/learner_step_s": step_s,
+        "perf/train_tokens": float(real_tokens),
+        "perf/trained_tokens": float(mask.sum()),
+        "perf/train_tokens_per_s": real_tokens * ppo_epochs / step_s,
+        "perf/prox_ref_s": prox_s,
+        "perf/micro_batches": micro_batches,
+        "perf/padding_frac": 1.0 - real_tokens * ppo_epochs / max(padded_tokens, 1.0),
+    })
+    return out
 
 
 class LearnerWorker:
@@ -112,97 +126,21 @@ class LearnerWorker:
                  master_port: int = 29500) -> None:
         self.cfg, self.lc = cfg, cfg.learner
         self.rank, self.world_size = rank, world_size
-        on_gpu = self.lc.num_gpus > 0
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
-                          MASTER_PORT=str(master_port), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
-        import deepspeed  # after DS_ACCELERATOR is set
-        import torch.distributed as dist
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self._ds, self._dist = deepspeed, dist
-        if on_gpu:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", auto_mpi_discovery=False,
-                                       verbose=False, timeout=timedelta(minutes=30), rank=rank, world_size=world_size)
-        # gloo group for small host-side collectives (counts, metrics) also on GPU jobs
-        self._cpu_group = dist.new_group(backend="gloo") if on_gpu else None
+        d = init_distributed(rank, world_size, master_addr, master_port, on_gpu=self.lc.num_gpus > 0)
+        self._ds, self._dist, self.device, self._cpu_group = d.deepspeed, d.dist, d.device, d.cpu_group
         self.precision = cfg.learner_precision
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         torch.manual_seed(cfg.trainer.seed + rank)
         np.random.seed(cfg.trainer.seed + rank)
 
-        path = cfg.model.path
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or path,
-                                                       trust_remote_code=cfg.model.trust_remote_code)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
-        load_kw = dict(dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, **cfg.model.override_config)
-        self.ds_config = build_ds_config(self.lc, world_size, self.precision)
-        # ZeRO-3 partitions at deepspeed.initialize: each rank briefly holds the full model in host
-        # memory (partition-on-load via transformers' HfDeepSpeedConfig would need `accelerate`)
-        from asyncrl.learner.multimodal import is_vl_config
-
-        self.is_vl = is_vl_config(path)
-        self.vl: Any = None  # multimodal.VLInputBuilder for a VL policy
-        self._vl_bias: dict[int, float] = {}
-        self._row_images: list[list[Any]] = []
-        self._row_hashes: list[list[str]] | None = None
-        if self.is_vl:  # Qwen-VL: no AutoModelForCausalLM mapping in transformers 5
-            from asyncrl.learner.multimodal import load_vl_model
-
-            model = load_vl_model(path, **load_kw)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, **load_kw)
-        model.config.use_cache = False
-        model.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
-        self._has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-            float(getattr(model.config, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout"))
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.is_vl:
-            from asyncrl.learner.multimodal import (
-                VLInputBuilder,
-                freeze_vision_tower,
-                load_vl_processor,
-                vision_logit_bias,
-            )
-
-            text_cfg = getattr(model.config, "text_config", model.config)
-            self.vocab_size = int(getattr(model.config, "vocab_size", None) or text_cfg.vocab_size)
-            if cfg.model.freeze_vision_tower:
-                freeze_vision_tower(model)  # before the optimizer and deepspeed.initialize
-            # the sampler's placeholder ban (-100 on image/video tokens), applied before the softmax here too
-            self._vl_bias = vision_logit_bias(model.config)
-            self.vl = VLInputBuilder(model, load_vl_processor(cfg.model.tokenizer_path or path))
-        else:
-            self.vocab_size = int(model.config.vocab_size)
-        self.ref_model = None
-        if self.lc.kl.enable and self.is_vl:
-            from asyncrl.learner.multimodal import load_vl_model
-
-            self.ref_model = load_vl_model(path, **load_kw).to(self.device).eval()
-            self.ref_model.requires_grad_(False)
-        elif self.lc.kl.enable:  # frozen initial weights (a full replica per rank; not sharded)
-            self.ref_model = AutoModelForCausalLM.from_pretrained(path, **load_kw).to(self.device).eval()
-            self.ref_model.requires_grad_(False)
-
-        oc = self.lc.optim
-        params = [p for n, p in model.named_parameters()
-                  if p.requires_grad and not (cfg.model.freeze_vision_tower and "visual" in n)]
-        optimizer = torch.optim.AdamW(params, lr=oc.lr, betas=tuple(oc.betas), eps=oc.eps,
-                                      weight_decay=oc.weight_decay)
-        self.total_optim_steps = cfg.trainer.max_steps * self.lc.mini_batches * self.lc.ppo_epochs
-        warmup = oc.warmup_steps if oc.warmup_steps is not None else int(oc.warmup_ratio * self.total_optim_steps)
-        self.warmup_steps = warmup
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, self.total_optim_steps, warmup, oc.lr_scheduler, oc.min_lr_ratio))
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        policy = load_policy(cfg, self.device, dtype)
+        self.tokenizer, self.pad_id, self.vocab_size = policy.tokenizer, policy.pad_id, policy.vocab_size
+        self.is_vl, self.vl, self._vl_bias = policy.is_vl, policy.vl, policy.vl_bias
+        self._has_dropout = policy.has_dropout
+        self.ref_model = policy.ref_model
+        built = build_engine(self._ds, policy.model, cfg, world_size, self.precision)
+        self.engine, self.scheduler, self.ds_config = built.engine, built.scheduler, built.ds_config
+        self.total_optim_steps, self.warmup_steps = built.total_optim_steps, built.warmup_steps
         self.kl_ctl = make_kl_controller(self.lc.kl)
         self.version = 0
         self.optim_steps = 0
@@ -231,20 +169,21 @@ class LearnerWorker:
         self._last_clip_norm = float(norm)
 
     # ---------------------------------------------------------------------------------- forward
-    def _forward_logits(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+    def _forward_logits(self, model: Any, mb: MicroBatch, images: RowImages | None) -> torch.Tensor:
         if self.is_vl:
-            return self._vl_forward_logits(model, mb)
+            return self._vl_forward_logits(model, mb, images)
         out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                     logits_to_keep=mb.response_len + 1, use_cache=False)
         return out.logits[:, :-1]
 
-    def _vl_forward_logits(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+    def _vl_forward_logits(self, model: Any, mb: MicroBatch, images: RowImages | None) -> torch.Tensor:
         """VL micro-batch: processor features of the rows' images (cached by sha256) and (4, n, L)
         mRoPE position ids (`multimodal.vl_forward`), then the sampler's placeholder logit bias, so
         the learner's softmax is over the distribution vLLM sampled from."""
         from asyncrl.learner.multimodal import vl_forward
 
-        out = vl_forward(model, self.vl, mb, self._row_images, self._row_hashes)
+        row_images, row_hashes = images if images is not None else ([], None)
+        out = vl_forward(model, self.vl, mb, row_images, row_hashes)
         logits = out.logits[:, :-1]
         if self._vl_bias:
             bias = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
@@ -258,7 +197,8 @@ class LearnerWorker:
         return mb.input_ids[:, -mb.response_len:]
 
     @torch.no_grad()
-    def _logprobs(self, model: Any, flat: FlatBatch, plans: list[list[list[int]]]) -> torch.Tensor:
+    def _logprobs(self, model: Any, flat: FlatBatch, plans: list[list[list[int]]],
+                  images: RowImages | None) -> torch.Tensor:
         """[N, T] log-probs of this rank's rows (zeros elsewhere) under `model` (eval mode)."""
         out = torch.zeros_like(flat.response_mask)
         was_training = model.training
@@ -267,7 +207,7 @@ class LearnerWorker:
         for plan in plans:
             for rows in plan:
                 mb = collate(flat, rows, self.pad_id).to(self.device)
-                lp = logprobs_from_logits(self._forward_logits(model, mb), self._labels(mb), temp)
+                lp = logprobs_from_logits(self._forward_logits(model, mb, images), self._labels(mb), temp)
                 if not mb.is_dummy:
                     out[mb.indices, : mb.response_len] = lp.float().cpu()
         model.train(was_training)
@@ -284,8 +224,11 @@ class LearnerWorker:
             plan = balance_into(mine, plen, rlen, k)
         return plan
 
-    def _advantages(self, flat: FlatBatch, logp_anchor: torch.Tensor | None,
-                    logp_ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def _advantages(self, flat: FlatBatch, logp_anchor: torch.Tensor | None, logp_ref: torch.Tensor | None,
+                    baselines: torch.Tensor, token_scores: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """[N, T] advantages of the whole batch (after the KL penalty in `kl.mode=reward`) plus the
+        turn-score term; `baselines` [N] are ReMax's per-sample baseline rewards (NaN if absent),
+        `token_scores` [N, T] the verifier's turn scores (`advantages.turn_token_scores`)."""
         alg, kc = self.cfg.algorithm, self.lc.kl
         extra: dict[str, float] = {}
         rewards: torch.Tensor = flat.rewards
@@ -297,45 +240,15 @@ class LearnerWorker:
             extra["train/kl_penalty"] = float(kl_mean)
         options: dict[str, Any] = {"norm_by_std": alg.norm_adv_by_std, "gamma": alg.gamma}
         if alg.adv_estimator == "remax":
-            if torch.isnan(self._baselines).any():
+            if torch.isnan(baselines).any():
                 raise ValueError("adv_estimator=remax needs sample.metadata['baseline_reward'] on every sample")
-            options["baseline_rewards"] = self._baselines
+            options["baseline_rewards"] = baselines
         adv = compute_advantages(alg.adv_estimator, rewards, flat.group_index, flat.response_mask, **options)
-        if alg.turn_score_coef > 0 and self._token_scores is not None:
-            proc = turn_score_advantages(self._token_scores, flat.group_index, flat.response_mask)
+        if alg.turn_score_coef > 0 and token_scores is not None:
+            proc = turn_score_advantages(token_scores, flat.group_index, flat.response_mask)
             adv = adv + alg.turn_score_coef * proc
             extra["train/turn_score_adv_abs_mean"] = float(proc.abs().sum() / flat.response_mask.sum().clamp_min(1))
         return adv, extra
-
-    @staticmethod
-    def _turn_token_scores(samples: Sequence[Any], shape: tuple[int, int],
-                           accept_score: float | None = None) -> torch.Tensor:
-        """[N, T] verifier step score of each trained token's turn (NaN where unscored). Turns are
-        the contiguous mask-1 runs of the response, matched to the sample's last per-turn scores
-        (final_turn: the last turn; full_turn: every turn). A final turn the verifier accepted
-        (STOP token after a formatted final answer) scores `accept_score` when it is not None."""
-        out = torch.full(shape, float("nan"))
-        for i, smp in enumerate(samples):
-            meta = smp.metadata
-            scores = list(meta.get("hallucination_scores") or [])
-            causes = list(meta.get("stop_causes") or [])
-            if (accept_score is not None and scores and scores[-1] is None and meta.get("has_final_answer")
-                    and len(causes) == len(scores) and causes[-1] == "stop_token"):
-                scores[-1] = accept_score
-            mask = np.asarray(smp.response_mask)
-            runs, start = [], None
-            for t, m in enumerate(mask):
-                if m and start is None:
-                    start = t
-                if not m and start is not None:
-                    runs.append((start, t))
-                    start = None
-            if start is not None:
-                runs.append((start, len(mask)))
-            for (a, b), score in zip(runs, scores[-len(runs):] if runs else []):
-                if score is not None:
-                    out[i, a:b] = float(score)
-        return out
 
     # ------------------------------------------------------------------------------------- step
     def train_step(self, groups: Sequence[Any]) -> dict[str, float]:
@@ -344,15 +257,15 @@ class LearnerWorker:
         t0 = time.perf_counter()
         lc, kc = self.lc, self.lc.kl
         flat = flatten_groups(groups)
+        images: RowImages | None = None
         if self.is_vl:  # images of every FlatBatch row (decoded once per group, hashes verified)
             from asyncrl.learner.multimodal import group_row_images
 
-            self._row_images, self._row_hashes = group_row_images(groups)
+            images = group_row_images(groups)
         samples = [s for g in groups for s in g.samples]
-        self._baselines = torch.tensor([float(s.metadata.get("baseline_reward", float("nan"))) for s in samples])
-        self._token_scores = (self._turn_token_scores(samples, tuple(flat.response_mask.shape),
-                                                      self.cfg.algorithm.turn_score_accept)
-                              if self.cfg.algorithm.turn_score_coef > 0 else None)
+        baselines = sample_baselines(samples)
+        token_scores = (turn_token_scores(samples, tuple(flat.response_mask.shape), self.cfg.algorithm.turn_score_accept)
+                        if self.cfg.algorithm.turn_score_coef > 0 else None)
         minis = split_mini_batches(flat.group_sizes, lc.mini_batches)
         plans = [self._plan(flat, rows) for rows in minis]
         mode = lc.off_policy.mode
@@ -361,14 +274,14 @@ class LearnerWorker:
         need_prox = mode != "bypass" and not reuse_prox
 
         t_prox = time.perf_counter()
-        logp_prox = self._logprobs(self.engine, flat, plans) if need_prox else None
-        logp_ref = self._logprobs(self.ref_model, flat, plans) if self.ref_model is not None else None
+        logp_prox = self._logprobs(self.engine, flat, plans, images) if need_prox else None
+        logp_ref = self._logprobs(self.ref_model, flat, plans, images) if self.ref_model is not None else None
         if kc.enable and kc.mode == "reward":  # the penalty needs every row before advantages
             logp_ref = self._all_reduce(logp_ref)
             logp_prox = self._all_reduce(logp_prox) if logp_prox is not None else None
         prox_s = time.perf_counter() - t_prox
         anchor = logp_prox if logp_prox is not None else flat.behaviour_logprobs
-        advantages, extra = self._advantages(flat, anchor, logp_ref)
+        advantages, extra = self._advantages(flat, anchor, logp_ref, baselines, token_scores)
 
         temp = self.cfg.rollout.temperature
         norm_length = float(lc.norm_length or self.cfg.data.max_response_length)  # Dr.GRPO: a constant budget
@@ -385,7 +298,7 @@ class LearnerWorker:
                 g_tok, g_seq = max(float(glob[0]), 1.0), max(float(glob[1]), 1.0)
                 for mb_rows in plan:
                     mb = collate(flat, mb_rows, self.pad_id).to(self.device)
-                    logits = self._forward_logits(self.engine, mb)
+                    logits = self._forward_logits(self.engine, mb, images)
                     logp = logprobs_from_logits(logits, self._labels(mb), temp)
                     if lc.entropy_coef > 0:
                         entropy = entropy_from_logits(logits, temp)
@@ -419,35 +332,13 @@ class LearnerWorker:
 
         # metrics: [sum, count] pairs summed over micro-batches and ranks
         summed = self._all_reduce(stack_metrics(sum_metrics(metric_parts)))
-        out = finalize_metrics(unstack_metrics(summed))
-        mask = flat.response_mask
-        real_tokens = int(flat.prompt_lengths.sum() + flat.response_lengths.sum())
-        lag = (self.version - 1 - flat.token_versions.float()) * mask
         step_s = time.perf_counter() - t0
         counts = self._all_reduce(torch.tensor([float(padded), float(micro)], dtype=torch.float64))
-        out.update(extra)
-        out.update({
-            "train/version": float(self.version),
-            "train/optimizer_steps": float(self.optim_steps),
-            "train/skipped_steps": float(skipped),
-            "train/skipped_steps_total": float(self.skipped_steps),
-            "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-            "train/lr": lrs[-1] if lrs else float("nan"),
-            "train/kl_coef": float(self.kl_ctl.value),
-            "train/reward_mean": float(flat.rewards.mean()),
-            "train/advantage_abs_mean": float((advantages.abs() * mask).sum() / mask.sum().clamp_min(1)),
-            "train/version_lag_mean": float(lag.sum() / mask.sum().clamp_min(1)),
-            "train/response_length_mean": float(flat.response_lengths.mean()),
-            "train/num_samples": float(flat.num_samples),
-            "perf/learner_step_s": step_s,
-            "perf/train_tokens": float(real_tokens),
-            "perf/trained_tokens": float(mask.sum()),
-            "perf/train_tokens_per_s": real_tokens * lc.ppo_epochs / step_s,
-            "perf/prox_ref_s": prox_s,
-            "perf/micro_batches": float(counts[1]),
-            "perf/padding_frac": 1.0 - real_tokens * lc.ppo_epochs / max(float(counts[0]), 1.0),
-        })
-        return out
+        return step_metrics(
+            flat, advantages, finalize_metrics(unstack_metrics(summed)), extra, version=self.version,
+            optim_steps=self.optim_steps, skipped=skipped, skipped_total=self.skipped_steps, grad_norms=grad_norms,
+            lrs=lrs, kl_coef=float(self.kl_ctl.value), ppo_epochs=lc.ppo_epochs, step_s=step_s, prox_s=prox_s,
+            padded_tokens=float(counts[0]), micro_batches=float(counts[1]))
 
     def _rows(self, t: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor | None:
         """Rows of a [N, T] batch tensor for a micro-batch, on the device (zeros for a dummy)."""

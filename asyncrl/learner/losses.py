@@ -10,12 +10,12 @@ correction reweights for pi_prox != mu (off-policy lag and engine/learner numeri
 1. anchor = pi_prox (mode `bypass`: anchor = mu, no recompute needed); log-ratio
    l_t = logp_t - anchor_t; `gspo`: l_t = s_i, the masked mean of the sequence's log-ratios;
    `gspo_token`: l_t = sg(s_i) + logp_t - sg(logp_t).
-2. `ppo` / `gspo` / `gspo_token` (GUIDED_GRPO.md 5.3, the original's `default`):
+2. `ppo` / `gspo` / `gspo_token` (the original's `default`; docs/guided_grpo.md, 'Policy loss'):
    ratio = e^clamp(l, -20, 20), cratio = e^clamp(l, ln(1 - eps_low), ln(1 + eps_high)),
    L = max(-A ratio, -A cratio), and for A < 0 the dual clip L = min(L, -A c).
    `cispo`: L = -A sg(clamp(ratio, 1 - cispo_eps_low, 1 + cispo_eps_high)) logp_t with
    `cispo_eps_low = None` meaning no lower bound, as the CISPO paper means it (the original's
-   recipe, clip_ratio_low = 0, raised every weight below 1 to 1: item 17).
+   recipe, clip_ratio_low = 0, raised every weight below 1 to 1; docs/guided_grpo.md, 'Known bugs of the original').
 3. correction weight w (detached, `off_policy_weights`) of r = pi_prox/mu, multiplied into L:
    `none` / `bypass` w = 1; `tis` w = min(r, cap); `mis` (masked importance sampling, as TRL's
    `token_mask` and AReaL's `mask`) w = r 1[low <= r <= high]; `rs` (rejection only, verl's
@@ -32,7 +32,7 @@ Aggregation (`loss_avg_mode`), exact under any micro-batch / rank split when the
 the normalisers of the WHOLE mini-batch over ALL ranks (sum `loss_normalisers` over them):
 - `token`: sum_{i,t} m x / global_num_tokens;
 - `seq`: sum_i [sum_t m x / sum_t m] / global_num_seqs (a true mean of per-sequence means; the
-  original re-weights it by micro-batch token counts, item 18);
+  original re-weights it by micro-batch token counts);
 - `seq_sum_token_mean` (Dr.GRPO): sum_i [sum_t m x / norm_length] / global_num_seqs, with
   norm_length a constant across micro-batches AND steps (the learner passes
   `learner.norm_length`, the configured response budget, the paper's MAX_TOKENS; without it, T of
@@ -50,7 +50,7 @@ value is the exact full-batch loss. Departures from the original's metrics: `tra
 (cispo: ratio above / below its bounds), `train/clipfrac_dual` the dual-clip fraction (the
 original logs "either bound" as `pg_clipfrac_higher` and dual as `pg_clipfrac_lower`);
 `train/entropy` is the true entropy over the vocabulary (`entropy_from_logits`) instead of the
-NLL proxy; `loss/kl` is averaged over micro-batches instead of keeping the last one (item 19);
+NLL proxy; `loss/kl` is averaged over micro-batches instead of keeping the last micro-batch's value;
 `train/mismatch_kl` = k3 estimate of KL(mu || pi_prox) on the sampled tokens.
 
 `logprobs_from_logits` / `entropy_from_logits` take logits divided by the rollout temperature

@@ -13,10 +13,10 @@ positions (real tokens counted: exactly `collate`'s `position_ids`), rows 1-3 th
 (temporal, height, width) positions from the model's own `get_rope_index` over the WHOLE sequence
 prompt + response, so both train scopes (final_turn: last prompt + last turn; full_turn: first
 prompt + every turn and user turn) get the positions vLLM used when it sampled each token.
-Departs from Guided-GRPO, which trains multi-turn VL samples with plain 1-D positions (11 item 5:
-biased ratios for Qwen3-VL, a crash for Qwen2/2.5-VL) and silently pads/truncates image features
-when their count differs from the image tokens; here such a mismatch raises `ImageTokenMismatch`
-before the forward.
+Departs from Guided-GRPO, which trains multi-turn VL samples with plain 1-D positions (biased
+ratios for Qwen3-VL, a crash for Qwen2/2.5-VL; docs/guided_grpo.md, 'Known bugs of the
+original') and silently pads/truncates image features when their count differs from the image
+tokens; here such a mismatch raises `ImageTokenMismatch` before the forward.
 
 Sampling bans the image/video placeholder tokens (`vision_logit_bias`, as the original's
 logit_bias of -100); `masked_logprobs` applies the same bias on the learner, so old and new
@@ -33,30 +33,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from asyncrl.vision import placeholder_token_ids
+
 __all__ = [
-    "ImageTokenMismatch", "VL_MODEL_TYPES", "is_vl_config", "load_vl_model", "load_vl_processor",
-    "vision_module", "freeze_vision_tower", "vision_logit_bias", "mm_token_type_ids", "check_image_tokens",
+    "ImageTokenMismatch", "load_vl_model", "load_vl_processor",
+    "vision_module", "freeze_vision_tower", "mm_token_type_ids", "check_image_tokens",
     "mrope_position_ids", "VLInputBuilder", "masked_logprobs", "vl_response_logprobs", "group_row_images",
     "vl_forward",
 ]
-
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-
 
 class ImageTokenMismatch(ValueError):
     """The image placeholder tokens of a batch do not match the number of image features."""
 
 
 # --------------------------------------------------------------------------------- model / loading
-def is_vl_config(config: Any) -> bool:
-    """Whether an HF config (or a path to one) is a supported Qwen-VL policy."""
-    if isinstance(config, str):
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(config)
-    return getattr(config, "model_type", "") in VL_MODEL_TYPES
-
-
 def load_vl_model(path: str, dtype: torch.dtype = torch.float32, **kwargs: Any) -> Any:
     """The policy as `AutoModelForImageTextToText` (Qwen*VLForConditionalGeneration); transformers
     5 has no `AutoModelForCausalLM` mapping for Qwen-VL configs, so the learner must load it this way."""
@@ -91,24 +81,10 @@ def freeze_vision_tower(model: Any) -> int:
     return n
 
 
-def _token_ids(config: Any) -> tuple[int, int | None]:
-    image = getattr(config, "image_token_id", None)
-    video = getattr(config, "video_token_id", None)
-    if image is None:
-        raise ValueError("config has no image_token_id (not a Qwen-VL policy?)")
-    return int(image), (None if video is None else int(video))
-
-
-def vision_logit_bias(config: Any, bias: float = -100.0) -> dict[int, float]:
-    """{token id: bias} banning the image/video placeholders in sampling (vLLM `logit_bias`)."""
-    image, video = _token_ids(config)
-    return {t: bias for t in (image, video) if t is not None}
-
-
 # ------------------------------------------------------------------------------ positions / checks
 def mm_token_type_ids(input_ids: Tensor, config: Any) -> Tensor:
     """0 text, 1 image placeholder, 2 video placeholder (what `get_rope_index` groups by)."""
-    image, video = _token_ids(config)
+    image, video = placeholder_token_ids(config)
     out = (input_ids == image).to(torch.int32)
     if video is not None:
         out = out + 2 * (input_ids == video).to(torch.int32)
@@ -123,7 +99,7 @@ def check_image_tokens(input_ids: Tensor, attention_mask: Tensor | None, image_g
                        config: Any) -> None:
     """Raise `ImageTokenMismatch` unless every row's placeholder runs match its images exactly:
     total placeholder tokens == sum(t*h*w)/merge^2 and, image by image, run length == features."""
-    image, _ = _token_ids(config)
+    image, _ = placeholder_token_ids(config)
     ids = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -1)
     per_image = [] if image_grid_thw is None else (image_grid_thw.prod(-1) // _merge(config) ** 2).tolist()
     runs: list[int] = []
@@ -178,7 +154,7 @@ def group_row_images(groups: Sequence[Any], key: str = "images") -> tuple[list[l
 class VLInputBuilder:
     """Processor outputs + position ids of VL micro-batches, with pixel features cached by image
     sha256 (all samples of a group share the group's images: processed once per step, not once
-    per sample or per turn -- 11 item 13 on the learner side)."""
+    per sample or per turn)."""
 
     def __init__(self, model: Any, processor: Any, cache_size: int = 256):
         self.model = model

@@ -158,7 +158,7 @@ def test_behaviour_logprobs_match_transformers_and_seeds_differ(setup):
 
 
 def test_broadcast_perturbed_weights_into_engine(setup):
-    from asyncrl.learner.weights import WeightSender
+    from asyncrl.weights.sender import WeightSender
 
     s = setup
     new = perturbed(s.hf, 0.05, seed=1)
@@ -185,11 +185,14 @@ def test_broadcast_perturbed_weights_into_engine(setup):
 def test_late_joiner_catches_up_from_weight_store(setup):
     import ray
 
-    from asyncrl.learner.weights import WeightSender
+    from asyncrl.weights.sender import WeightSender
 
     s = setup
+    from asyncrl.weights.store import start_weight_store
+
     ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine-weights", log_to_driver=False)
     try:
+        start_weight_store("test-engine-weights")  # the topology starts it in a real job
         newer = perturbed(s.hf, 0.05, seed=2)
         publisher = WeightSender(SimpleNamespace(bucket_mb=0.06, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
                                  publish=True)  # no members: the learner publishes, nobody listens yet
@@ -209,7 +212,7 @@ def test_late_joiner_catches_up_from_weight_store(setup):
 def test_in_flight_update_stamps_both_versions(setup):
     # A long request keeps running across an update (paused, kept, resumed): its early tokens
     # carry the old version, its later ones the new, never interleaved.
-    from asyncrl.learner.weights import WeightSender
+    from asyncrl.weights.sender import WeightSender
 
     s = setup
     old_v = s.engine.version
@@ -250,15 +253,18 @@ def test_in_flight_update_stamps_both_versions(setup):
 def ray_session(namespace: str):
     import ray
 
+    from asyncrl.weights.store import start_weight_store
+
     ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
     try:
+        start_weight_store(namespace)  # the topology starts it in a real job
         yield
     finally:
         ray.shutdown()
 
 
 def _publish(s, model, version: int) -> None:
-    from asyncrl.learner.weights import WeightSender
+    from asyncrl.weights.sender import WeightSender
 
     publisher = WeightSender(SimpleNamespace(bucket_mb=0.06, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
                              publish=True)
@@ -268,7 +274,7 @@ def _publish(s, model, version: int) -> None:
 
 def _group_update(s, model, version: int, timeout_s: float = 5.0) -> dict:
     """One broadcast of `model` as `version` to the engine (sender in a thread, as the learner)."""
-    from asyncrl.learner.weights import WeightSender
+    from asyncrl.weights.sender import WeightSender
 
     sender = WeightSender(SimpleNamespace(bucket_mb=0.05, backend="gloo", timeout_s=timeout_s, host="127.0.0.1"),
                           members=s.engine.weight_member_ids())

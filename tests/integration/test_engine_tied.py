@@ -24,7 +24,7 @@ def test_tied_embeddings_reach_the_head_after_update(tmp_path):
 
     from asyncrl.actors.engine import PolicyEngine
     from asyncrl.config import RolloutConfig
-    from asyncrl.learner.weights import WeightSender
+    from asyncrl.weights.sender import WeightSender
 
     torch.set_num_threads(1)
     path = build_tiny_qwen(tmp_path / "tied", tie=True, seed=3)

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.learner.learner import build_ds_config, lr_factor
+from asyncrl.learner.build import build_ds_config, lr_factor
 
 
 def test_lr_factor_constant_with_warmup() -> None:

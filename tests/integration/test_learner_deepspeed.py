@@ -157,7 +157,7 @@ def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_pa
     this process), in several buckets."""
     import threading
 
-    from asyncrl.actors.weight_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **{
         "learner.cpu_ranks": 2, "learner.zero_stage": 3, "learner.weights.bucket_mb": 0.02,
@@ -165,7 +165,7 @@ def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_pa
     two_ranks.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=31))
     expected = two_ranks.export_state()
     address = two_ranks.start_weight_sender(0, False)
-    two_ranks.weight_sender("add_receivers", ["rx"])
+    two_ranks.add_receivers(["rx"])
     got: dict = {}
 
     def receive() -> None:

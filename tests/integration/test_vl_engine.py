@@ -102,8 +102,8 @@ def test_vl_engine_samples_and_loads_learner_named_vl_weights(eng):
 
     from PIL import Image, ImageDraw
 
-    from asyncrl.learner.multimodal import VLInputBuilder, vision_logit_bias
-    from asyncrl.vision import PreparedImages, processor_prompt_ids
+    from asyncrl.learner.multimodal import VLInputBuilder
+    from asyncrl.vision import PreparedImages, processor_prompt_ids, vision_logit_bias
 
     s = eng
     img = Image.new("RGB", (112, 56), (255, 255, 255))

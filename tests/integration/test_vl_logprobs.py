@@ -50,7 +50,8 @@ def vl(request):
     from transformers import AutoProcessor
     from vllm import LLM
 
-    from asyncrl.learner.multimodal import VLInputBuilder, load_vl_model, vision_logit_bias
+    from asyncrl.learner.multimodal import VLInputBuilder, load_vl_model
+    from asyncrl.vision import vision_logit_bias
 
     torch.set_num_threads(1)
     path = MODELS[request.param]

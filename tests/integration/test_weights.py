@@ -20,7 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.learner.weights import WeightSender, fetch_weights, pack_buckets, unpack_bucket
+from asyncrl.weights.sender import WeightSender
+from asyncrl.weights.store import fetch_weights, start_weight_store
+from asyncrl.weights.wire import pack_buckets, unpack_bucket
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 5.0  # generous: the shared 2-core machine can starve a process for seconds
@@ -57,7 +59,7 @@ def receiver_main(address: str, member: str, actions: list, q) -> None:
     """Scripted member: "recv" = take part in a round; ("sleep", s) = be busy for s seconds;
     "enter_and_hang" = join and enter the round, then never take part in the collective."""
     torch.set_num_threads(1)
-    from asyncrl.actors.weight_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     rec = WeightReceiver(address, member, timeout_s=TIMEOUT)
     q.put(("up", member, None, None))
@@ -137,7 +139,7 @@ def test_broadcast_exact_to_two_receivers_over_rounds():
             assert status == "ok" and v == version
             assert_exact(tensors, sd)
     assert report.rebuilds == 0 and sender.generation == 1  # one group, reused
-    from asyncrl.actors.weight_receiver import announced_version
+    from asyncrl.weights.receiver import announced_version
 
     assert announced_version(sender.address) == 3
     for p in procs:
@@ -305,15 +307,20 @@ def test_weight_store_serves_late_joiner():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, namespace="test-weights-store", log_to_driver=False)
     try:
+        assert fetch_weights(min_version=-1) is None  # no store yet: nothing published
+        store = start_weight_store("test-weights-store")
         sender = WeightSender(cfg(), publish=True)  # no members: publish only
         assert fetch_weights(min_version=-1) is None
         for version in (1, 2):
             report = sender.broadcast(state_dict(version).items(), version)
             assert report.published and report.members == []
+        sender.flush()  # publishing runs in a background thread: wait until version 2 is in the store
         version, buckets = fetch_weights(min_version=0)
         assert version == 2
         assert_exact({n: t for m, f in buckets for n, t in unpack_bucket(m, f)}, state_dict(2))
         assert fetch_weights(min_version=2) is None  # nothing newer
         sender.close()
+        store.shutdown()
+        assert fetch_weights(min_version=-1) is None  # shut down with its job
     finally:
         ray.shutdown()

@@ -187,7 +187,7 @@ def test_turn_token_scores_map_turns_and_score_an_accepted_final_turn() -> None:
     A STOP that is not an acceptance (empty reply, or no final answer) is never scored."""
     from types import SimpleNamespace
 
-    from asyncrl.learner.learner import LearnerWorker
+    from asyncrl.learner.advantages import turn_token_scores
 
     nan = float("nan")
     mask = [1, 1, 0, 1, 0, 0, 1]
@@ -197,7 +197,7 @@ def test_turn_token_scores_map_turns_and_score_an_accepted_final_turn() -> None:
         return SimpleNamespace(response_mask=mask, metadata={**base, **meta})
 
     def row(smp, accept):
-        return LearnerWorker._turn_token_scores([smp], (1, len(mask)), accept)[0].tolist()
+        return turn_token_scores([smp], (1, len(mask)), accept)[0].tolist()
 
     def same(a, b):
         return all((x != x and y != y) or x == y for x, y in zip(a, b, strict=True))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from asyncrl.learner import weights as w
+from asyncrl.weights import group as w
 
 
 def test_cumem_set_when_unset_and_loud_when_different(monkeypatch, caplog):

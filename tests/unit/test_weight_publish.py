@@ -15,13 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncrl.learner.weights import (
-    WeightSender,
-    bucket_fingerprint,
-    fingerprint_mismatches,
-    pack_buckets,
-    sample_index,
-)
+from asyncrl.weights.sender import WeightSender
+from asyncrl.weights.wire import bucket_fingerprint, fingerprint_mismatches, pack_buckets, sample_index
 
 
 def sender(mode: str = "background", every: int = 1) -> WeightSender:

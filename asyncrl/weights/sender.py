@@ -1,44 +1,11 @@
-"""Weight broadcast from learner rank 0 to the rollout engines, with a watchdog and a fallback.
+"""`WeightSender`: rank 0's side of the weight group (protocol in the `asyncrl.weights` package
+docstring).
 
-Wire format (shared with `asyncrl.actors.weight_receiver`): the named tensors are packed into
-flat per-dtype buckets of about `bucket_mb`; each bucket travels as ONE collective
-(`broadcast`, root = learner rank 0), never one per parameter. Its manifest
-(`{"dtype", "numel", "params": [[name, shape, offset], ...]}`) and the version travel through the
-rendezvous TCPStore as JSON, so NCCL and gloo groups carry only tensor bytes and no pickle is on
-the path.
-
-Membership protocol (all keys in the sender's TCPStore, which is also the rendezvous):
-- generation g: the sender writes `g{g}/plan` (members -> ranks 1..n, backend), sets `gen = g`;
-  each member sets `g{g}/ready/{id}`; members missing after `timeout_s` are dropped, the
-  generation is aborted (`g{g}/built = abort`) and g+1 is planned without them; otherwise
-  `built = go` and everyone builds the process group `PrefixStore("asyncrl_w/g{g}")`.
-- round r of generation g: each member sets `g{g}/r{r}/enter/{id}` when it is ready to receive;
-  members that have not entered within `timeout_s` are dropped, the round is aborted and the group
-  rebuilt for the rest. Then `start = go`, the buckets flow, every member acks `g{g}/r{r}/ack/{id}`.
-- every collective has a deadline the sender and the receivers enforce themselves (`wait_work`
-  polls `work.is_completed()`, so it holds on NCCL, whose `wait()` does not block, as on gloo).
-  Receivers heartbeat (`.../alive/{id}`) while they wait inside a round and write
-  `.../progress/{id}` only once a bucket's data has arrived. When a collective fails or passes its
-  deadline the sender retires the group without blocking (`abort_group`), drops the members that
-  fell silent within a short grace (else the lowest progress), sets `.../abort` and the end header
-  (`failed`), and rebuilds the group without them at the next broadcast; the dropped member's
-  process, or its restart under the same id, sees `g{g}/out/{id}` and re-feeds from the store.
-- NCCL: the group is built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the
-  communicator, never the process) and a backstop timeout later than every deadline above;
-  NCCL_CUMEM_ENABLE travels in the plan so both sides use the same value; `set_device` before
-  the sends and the exporter's gathers.
-- integrity: the end header carries a fingerprint of every tensor (float64 sum and |sum| of 64
-  elements at indices fixed by the tensor's name), so a receiver checks what arrived exactly.
-- a dropped member that calls `receive` again asks to rejoin (`joinreq/{n}`); the sender takes it
-  back at the next broadcast (a new generation). Scaling uses the same `rebuild(members)`.
 Guarantee: no sender call blocks longer than about `timeout_s` per bucket plus a second of
 grace whatever the members do; every member that acks a round holds exactly the broadcast
 tensors (fingerprint-checked); every `publish_every`-th version is also published (a host copy
-taken at broadcast time) to the `WeightStore` named Ray actor for late joiners, restarts and
-dropped members, by default from a background thread (`publish_mode`), in version order.
-
-Departure from Guided-GRPO (EasyR1/verl): there the rollout shares the learner's GPUs and weights
-move in-process; asyncrl's rollout fleet is separate, so weights move over the network.
+taken at broadcast time) to the `WeightStore` for late joiners, restarts and dropped members, by
+default from a background thread (`publish_mode`), in version order.
 """
 
 from __future__ import annotations
@@ -48,10 +15,7 @@ import logging
 import os
 import threading
 import time
-import warnings
-import zlib
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -60,236 +24,19 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.addresses import bind_and_advertise, bind_first, candidate_ports
+from asyncrl.weights.group import (
+    abort_group,
+    align_nccl_cumem,
+    backstop_timeout,
+    make_group,
+    make_store,
+    resolve_backend,
+    wait_work,
+)
+from asyncrl.weights.store import STORE_NAME, host_copy, publish_weights
+from asyncrl.weights.wire import PREFIX, WeightsInput, bucket_fingerprint, pack_buckets
 
 log = logging.getLogger(__name__)
-
-PREFIX = "asyncrl_w"
-NamedTensor = tuple[str, torch.Tensor]
-WeightsInput = Iterable["NamedTensor | list[NamedTensor]"]
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in
-           (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-            torch.int8, torch.uint8, torch.bool)}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-def _flatten(items: WeightsInput) -> Iterator[NamedTensor]:
-    """Accept (name, tensor) pairs or buckets (lists) of them, as `export_named_tensors` yields."""
-    for item in items:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            yield item
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], dict):
-            yield from unpack_bucket(*item)  # an already packed (manifest, flat) bucket
-        else:
-            yield from item
-
-
-def pack_buckets(items: WeightsInput, bucket_bytes: int) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
-    """Pack named tensors into flat per-dtype buckets of about `bucket_bytes` (a larger tensor gets
-    its own bucket). Yields `(manifest, flat)`; `flat` is on the tensors' device, contiguous.
-    Tensors are consumed lazily so a ZeRO-3 exporter never holds more than a bucket or two."""
-    pending: dict[torch.dtype, list[NamedTensor]] = {}
-    sizes: dict[torch.dtype, int] = {}
-
-    def emit(dtype: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
-        group = pending.pop(dtype)
-        sizes.pop(dtype)
-        params, offset = [], 0
-        for name, t in group:
-            params.append([name, list(t.shape), offset])
-            offset += t.numel()
-        flat = torch.cat([t.detach().reshape(-1) for _, t in group]) if len(group) > 1 \
-            else group[0][1].detach().reshape(-1).contiguous()
-        return {"dtype": str(dtype).removeprefix("torch."), "numel": offset, "params": params}, flat
-
-    for name, tensor in _flatten(items):
-        dtype = tensor.dtype
-        pending.setdefault(dtype, []).append((name, tensor))
-        sizes[dtype] = sizes.get(dtype, 0) + tensor.numel() * tensor.element_size()
-        if sizes[dtype] >= bucket_bytes:
-            yield emit(dtype)
-    for dtype in list(pending):
-        yield emit(dtype)
-
-
-def unpack_bucket(manifest: dict[str, Any], flat: torch.Tensor) -> list[NamedTensor]:
-    """Views of `flat` named and shaped by `manifest` (no copy)."""
-    out = []
-    for name, shape, offset in manifest["params"]:
-        numel = 1
-        for s in shape:
-            numel *= s
-        out.append((name, flat[offset:offset + numel].view(shape)))
-    return out
-
-
-# ---- integrity fingerprint -------------------------------------------------------------------
-FINGERPRINT_SAMPLES = 64
-_INDEX_CACHE: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def sample_index(name: str, numel: int, k: int = FINGERPRINT_SAMPLES) -> torch.Tensor:
-    """The fixed random element indices sampled from parameter `name` (seeded by the name alone,
-    so the learner, every receiver and every engine pick the same elements)."""
-    key = (name, numel)
-    idx = _INDEX_CACHE.get(key)
-    if idx is None:
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        idx = _INDEX_CACHE[key] = torch.randint(0, numel, (min(k, numel),), generator=g)
-    return idx
-
-
-def sample_values(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The sampled elements of `tensor` (its own dtype, on the CPU): what fingerprints compare."""
-    flat = tensor.detach().reshape(-1)
-    return flat[sample_index(name, flat.numel()).to(flat.device)].cpu()
-
-
-def fingerprint_of(samples: torch.Tensor) -> list[float]:
-    """[sum, sum of |x|] of sampled elements in float64; equal inputs give bit-equal outputs."""
-    v = samples.double()
-    return [float(v.sum()), float(v.abs().sum())]
-
-
-def bucket_fingerprint(manifest: dict[str, Any], flat: torch.Tensor) -> dict[str, list[float]]:
-    """Fingerprint of every tensor of one packed bucket (one device-to-host copy per bucket)."""
-    views = unpack_bucket(manifest, flat)
-    if not views:
-        return {}
-    picked = torch.cat([v.reshape(-1)[sample_index(n, v.numel()).to(v.device)] for n, v in views]).cpu()
-    out, at = {}, 0
-    for n, v in views:
-        k = min(FINGERPRINT_SAMPLES, v.numel())
-        out[n] = fingerprint_of(picked[at:at + k])
-        at += k
-    return out
-
-
-def fingerprint_mismatches(expected: dict[str, list[float]], got: dict[str, list[float]]) -> list[str]:
-    """Names whose fingerprints differ (or that are missing from `got`); exact comparison, since
-    both sides sum the same elements of the same dtype in the same order."""
-    return [n for n, fp in expected.items() if got.get(n) != fp]
-
-
-def make_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    # wait_for_workers=False: the master must not block until a fixed world of clients joins.
-    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
-
-
-class CollectiveTimeout(RuntimeError):
-    """A weight-group collective did not complete by its deadline."""
-
-
-def backstop_timeout(timeout_s: float) -> timedelta:
-    """The process group's own timeout: later than every deadline asyncrl enforces itself, so
-    gloo's and NCCL's watchdogs never fire first (they are the backstop, not the mechanism)."""
-    return timedelta(seconds=4 * timeout_s + 30)
-
-
-# NCCL environment of the weight group. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a
-# timed-out collective aborts its communicator but never tears the process down (torch's default,
-# 3, kills the process, i.e. the learner). NCCL_CUMEM_ENABLE must agree between the learner and
-# the vLLM workers (mismatched values give errors or OOM); the sender's value travels in the plan.
-NCCL_ERROR_HANDLING = "2"
-CUMEM_DEFAULT = "0"
-
-
-@contextmanager
-def _scoped_env(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def align_nccl_cumem(value: str | None) -> str:
-    """Make this process's NCCL_CUMEM_ENABLE equal to `value` (the sender's); set it if unset,
-    warn loudly if it was set differently (NCCL reads it once, at its first communicator)."""
-    value = value if value is not None else CUMEM_DEFAULT
-    mine = os.environ.get("NCCL_CUMEM_ENABLE")
-    if mine is None:
-        os.environ["NCCL_CUMEM_ENABLE"] = value
-    elif mine != value:
-        log.error("weight sync: NCCL_CUMEM_ENABLE=%s here but %s on the other side of the weight group; "
-                  "NCCL may fail or run out of memory: set the same value on the learner and the rollout "
-                  "workers", mine, value)
-    return os.environ["NCCL_CUMEM_ENABLE"]
-
-
-def make_group(store: dist.Store, generation: int, rank: int, world: int, backend: str,
-               timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
-    """A process group made only for weights, over `PrefixStore(asyncrl_w/g{generation})`.
-    Its own timeout is `backstop_timeout`; callers bound every collective with `wait_work`."""
-    prefixed = dist.PrefixStore(f"{PREFIX}/g{generation}/pg", store)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = backstop_timeout(timeout_s)
-        if device is not None:
-            torch.cuda.set_device(device)
-        with _scoped_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": NCCL_ERROR_HANDLING}):  # read by the constructor
-            return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
-    return dist.ProcessGroupGloo(prefixed, rank, world, backstop_timeout(timeout_s))
-
-
-def wait_work(work: Any, deadline: float, tick: Any = None, tick_every_s: float = 0.2) -> None:
-    """Wait for a collective until `deadline` (time.monotonic), polling `work.is_completed()`,
-    so the bound holds on NCCL too (whose `wait()` does not block without
-    TORCH_NCCL_BLOCKING_WAIT) and on gloo alike. `tick()` runs about every `tick_every_s` while
-    waiting (receivers heartbeat there and may raise to give up early). Raises CollectiveTimeout
-    at the deadline; the collective's own error otherwise comes out of the final `wait()`."""
-    delay, next_tick = 2e-5, time.monotonic() + tick_every_s
-    while not work.is_completed():
-        now = time.monotonic()
-        if now >= deadline:
-            raise CollectiveTimeout("weight collective passed its deadline")
-        if tick is not None and now >= next_tick:
-            tick()
-            next_tick = now + tick_every_s
-        time.sleep(delay)
-        delay = min(2 * delay, 1e-3)
-    work.wait()  # re-raises a failed collective; on NCCL the current stream now waits for it
-
-
-_GRAVEYARD: list[tuple[float, Any]] = []  # (release time, gloo group) kept alive until then
-_GRAVEYARD_LOCK = threading.Lock()
-
-
-def abort_group(pg: Any, backstop_s: float = 0.0) -> None:
-    """Retire a weight group without blocking the caller. NCCL: `abort()` in a reaper thread
-    (frees kernels stuck on a dead peer). Gloo: its abort and its destructor both block the
-    whole process (the GIL is held) until a hung collective reaches the group's own timeout, so
-    the group is parked and released only after `backstop_s`, when nothing can hang any more."""
-    now = time.monotonic()
-    with _GRAVEYARD_LOCK:
-        _GRAVEYARD[:] = [(t, g) for t, g in _GRAVEYARD if t > now]
-        if pg is not None and not isinstance(pg, dist.ProcessGroupNCCL if dist.is_nccl_available() else ()):
-            _GRAVEYARD.append((now + backstop_s, pg))
-            return
-    if pg is None:
-        return
-
-    def reap(group: Any) -> None:
-        try:
-            group.abort()
-        except Exception:  # noqa: BLE001 - best effort on a group we are discarding
-            log.debug("weight sync: abort of a weight group failed", exc_info=True)
-
-    threading.Thread(target=reap, args=(pg,), name="asyncrl-weight-group-reaper", daemon=True).start()
-
-
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
 
 
 @dataclass
@@ -319,9 +66,9 @@ class WeightSender:
 
     `cfg` is a `WeightSyncConfig` (bucket_mb, backend, timeout_s, host). `port=0` picks a free
     port; `address` is what receivers connect to. `publish=True` also puts a CPU copy of every
-    broadcast into the `WeightStore` actor (needs `ray.init` first)."""
+    broadcast into the `WeightStore` actor (`asyncrl.weights.store`; started by the topology)."""
 
-    def __init__(self, cfg: Any, port: int = 0, *, publish: bool = False, store_name: str = "WeightStore",
+    def __init__(self, cfg: Any, port: int = 0, *, publish: bool = False, store_name: str = STORE_NAME,
                  members: Iterable[str] = (), port_range: str | None = None) -> None:
         self.backend = resolve_backend(cfg.backend)
         bucket_mb = cfg.bucket_mb
@@ -621,64 +368,3 @@ class WeightSender:
         self.flush()
         self._destroy_group()
 
-
-# ---- object-store path -----------------------------------------------------------------------
-class WeightStore:
-    """Named Ray actor holding the newest published weights (an ObjectRef to a CPU copy, by
-    version). Ray's serialization is fine here: it never leaves the cluster."""
-
-    def __init__(self) -> None:
-        self.version = -1
-        self.ref: Any = None
-
-    def put(self, version: int, refs: list[Any]) -> int:
-        if version >= self.version:
-            self.version, self.ref = version, refs[0]
-        return self.version
-
-    def latest(self) -> tuple[int, list[Any]]:
-        return self.version, [self.ref] if self.ref is not None else []
-
-
-def get_weight_store(name: str = "WeightStore") -> Any:
-    """The named store actor (created on first use; detached, so it outlives a restarted
-    learner and is only removed with the cluster or `ray.kill`)."""
-    import ray
-
-    return ray.remote(num_cpus=0)(WeightStore).options(
-        name=name, get_if_exists=True, lifetime="detached").remote()
-
-
-def host_copy(flat: torch.Tensor) -> torch.Tensor:
-    """A host copy of a bucket for the store: a plain copy on the CPU; from a GPU, a pinned
-    buffer filled asynchronously on the current stream (the publisher waits on an event)."""
-    if flat.device.type != "cuda":
-        return flat.to("cpu", copy=True)
-    buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    buf.copy_(flat, non_blocking=True)
-    return buf
-
-
-def publish_weights(buckets: list[tuple[dict[str, Any], torch.Tensor]], version: int,
-                    name: str = "WeightStore") -> None:
-    """Put a CPU copy of packed buckets into the object store and register it under `version`."""
-    import ray
-
-    payload = [(m, t.contiguous().view(torch.uint8).numpy()) for m, t in buckets]
-    ref = ray.put(payload)
-    ray.get(get_weight_store(name).put.remote(version, [ref]))
-
-
-def fetch_weights(name: str = "WeightStore", min_version: int = -1, timeout_s: float = 60.0
-                  ) -> tuple[int, list[tuple[dict[str, Any], torch.Tensor]]] | None:
-    """The newest published buckets `(version, [(manifest, flat)])`, or None if nothing newer
-    than `min_version` has been published."""
-    import ray
-
-    version, refs = ray.get(get_weight_store(name).latest.remote(), timeout=timeout_s)
-    if version < 0 or version <= min_version:
-        return None
-    payload = ray.get(refs[0], timeout=timeout_s)
-    with warnings.catch_warnings():  # zero-copy views of read-only object-store memory; only read
-        warnings.simplefilter("ignore", UserWarning)
-        return version, [(m, torch.from_numpy(a).view(dtype_from_name(m["dtype"]))) for m, a in payload]

@@ -1,0 +1,148 @@
+"""Process-group plumbing of the weight wire: the rendezvous TCPStore, one process group per
+generation (`PrefixStore(asyncrl_w/g{g}/pg)`), bounded waits on collectives and non-blocking
+retirement of a broken group.
+
+Contracts: every collective is bounded by a deadline the caller enforces itself (`wait_work`
+polls `work.is_completed()`, so the bound holds on NCCL, whose `wait()` does not block, and on
+gloo alike); the group's own timeout (`backstop_timeout`) is later than every such deadline, so
+gloo's and NCCL's watchdogs are the backstop, never the mechanism; NCCL groups are built with
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the communicator, never the process) and
+both sides use the same NCCL_CUMEM_ENABLE (`align_nccl_cumem`); `abort_group` never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.weights.wire import PREFIX
+
+log = logging.getLogger(__name__)
+
+
+def make_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    # wait_for_workers=False: the master must not block until a fixed world of clients joins.
+    return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A weight-group collective did not complete by its deadline."""
+
+
+def backstop_timeout(timeout_s: float) -> timedelta:
+    """The process group's own timeout: later than every deadline asyncrl enforces itself, so
+    gloo's and NCCL's watchdogs never fire first (they are the backstop, not the mechanism)."""
+    return timedelta(seconds=4 * timeout_s + 30)
+
+
+# NCCL environment of the weight group. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a
+# timed-out collective aborts its communicator but never tears the process down (torch's default,
+# 3, kills the process, i.e. the learner). NCCL_CUMEM_ENABLE must agree between the learner and
+# the vLLM workers (mismatched values give errors or OOM); the sender's value travels in the plan.
+NCCL_ERROR_HANDLING = "2"
+CUMEM_DEFAULT = "0"
+
+
+@contextmanager
+def _scoped_env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def align_nccl_cumem(value: str | None) -> str:
+    """Make this process's NCCL_CUMEM_ENABLE equal to `value` (the sender's); set it if unset,
+    warn loudly if it was set differently (NCCL reads it once, at its first communicator)."""
+    value = value if value is not None else CUMEM_DEFAULT
+    mine = os.environ.get("NCCL_CUMEM_ENABLE")
+    if mine is None:
+        os.environ["NCCL_CUMEM_ENABLE"] = value
+    elif mine != value:
+        log.error("weight sync: NCCL_CUMEM_ENABLE=%s here but %s on the other side of the weight group; "
+                  "NCCL may fail or run out of memory: set the same value on the learner and the rollout "
+                  "workers", mine, value)
+    return os.environ["NCCL_CUMEM_ENABLE"]
+
+
+def make_group(store: dist.Store, generation: int, rank: int, world: int, backend: str,
+               timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
+    """A process group made only for weights, over `PrefixStore(asyncrl_w/g{generation})`.
+    Its own timeout is `backstop_timeout`; callers bound every collective with `wait_work`."""
+    prefixed = dist.PrefixStore(f"{PREFIX}/g{generation}/pg", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = backstop_timeout(timeout_s)
+        if device is not None:
+            torch.cuda.set_device(device)
+        with _scoped_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": NCCL_ERROR_HANDLING}):  # read by the constructor
+            return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world, backstop_timeout(timeout_s))
+
+
+def wait_work(work: Any, deadline: float, tick: Any = None, tick_every_s: float = 0.2) -> None:
+    """Wait for a collective until `deadline` (time.monotonic), polling `work.is_completed()`,
+    so the bound holds on NCCL too (whose `wait()` does not block without
+    TORCH_NCCL_BLOCKING_WAIT) and on gloo alike. `tick()` runs about every `tick_every_s` while
+    waiting (receivers heartbeat there and may raise to give up early). Raises CollectiveTimeout
+    at the deadline; the collective's own error otherwise comes out of the final `wait()`."""
+    delay, next_tick = 2e-5, time.monotonic() + tick_every_s
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline:
+            raise CollectiveTimeout("weight collective passed its deadline")
+        if tick is not None and now >= next_tick:
+            tick()
+            next_tick = now + tick_every_s
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    work.wait()  # re-raises a failed collective; on NCCL the current stream now waits for it
+
+
+_GRAVEYARD: list[tuple[float, Any]] = []  # (release time, gloo group) kept alive until then
+_GRAVEYARD_LOCK = threading.Lock()
+
+
+def abort_group(pg: Any, backstop_s: float = 0.0) -> None:
+    """Retire a weight group without blocking the caller. NCCL: `abort()` in a reaper thread
+    (frees kernels stuck on a dead peer). Gloo: its abort and its destructor both block the
+    whole process (the GIL is held) until a hung collective reaches the group's own timeout, so
+    the group is parked and released only after `backstop_s`, when nothing can hang any more."""
+    now = time.monotonic()
+    with _GRAVEYARD_LOCK:
+        _GRAVEYARD[:] = [(t, g) for t, g in _GRAVEYARD if t > now]
+        if pg is not None and not isinstance(pg, dist.ProcessGroupNCCL if dist.is_nccl_available() else ()):
+            _GRAVEYARD.append((now + backstop_s, pg))
+            return
+    if pg is None:
+        return
+
+    def reap(group: Any) -> None:
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - best effort on a group we are discarding
+            log.debug("weight sync: abort of a weight group failed", exc_info=True)
+
+    threading.Thread(target=reap, args=(pg,), name="asyncrl-weight-group-reaper", daemon=True).start()
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+

@@ -1,0 +1,47 @@
+"""Roles never import each other: no module under `asyncrl/actors` imports `asyncrl.learner`, no
+module under `asyncrl/learner` imports `asyncrl.actors`, and `asyncrl/weights` (the wire both
+share) imports neither. A static check over the source with `ast` (function-level imports count
+too), so it also holds for imports that only run on a GPU or inside an actor."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "asyncrl"
+RULES = {"actors": ("asyncrl.learner",), "learner": ("asyncrl.actors",),
+         "weights": ("asyncrl.learner", "asyncrl.actors")}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file; `from asyncrl import learner` counts as asyncrl.learner."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def forbidden_imports(role: str) -> list[str]:
+    banned = RULES[role]
+    return [f"{path.relative_to(PACKAGE.parent)}:{line} imports {mod}"
+            for path in sorted((PACKAGE / role).rglob("*.py"))
+            for line, mod in imported_modules(path)
+            if any(mod == b or mod.startswith(b + ".") for b in banned)]
+
+
+@pytest.mark.parametrize("role", sorted(RULES))
+def test_role_does_not_import_another_role(role):
+    assert forbidden_imports(role) == []
+
+
+def test_the_check_sees_function_level_and_from_imports(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from asyncrl import learner\n    import asyncrl.actors.engine\n")
+    mods = [m for _, m in imported_modules(planted)]
+    assert "asyncrl.learner" in mods and "asyncrl.actors.engine" in mods
