@@ -37,6 +37,22 @@ SUMMED_STATS = ("rollout/tokens_per_s", "rollout/groups_per_s", "rollout/groups_
                 "rollout/groups_dropped_verifier_error", "rollout/policy_tokens", "rollout/groups_in_flight")
 
 
+def merge_actor_stats(per_actor: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The fleet's numbers from each actor's `stats()`: `SUMMED_STATS` added up, every other number
+    averaged over the actors that report it; `perf/rollout_idle_ratio` is the mean idle ratio."""
+    if not per_actor:
+        return {}
+    out: dict[str, Any] = {}
+    keys = {k for s in per_actor.values() for k in s}
+    for key in keys:
+        values = [s[key] for s in per_actor.values() if isinstance(s.get(key), (int, float))]
+        if not values:
+            continue
+        out[key] = sum(values) if key in SUMMED_STATS else sum(values) / len(values)
+    out["perf/rollout_idle_ratio"] = out.get("rollout/idle_ratio", 0.0)
+    return out
+
+
 class LearnerWeights(Protocol):
     """The learner side of the weight wire, as the fleet uses it (asyncrl.learner.group.LearnerGroup)."""
 
@@ -271,17 +287,7 @@ class RolloutFleet:
             except Exception:  # noqa: BLE001 - a dead actor is healed after the step; skip its stats
                 continue
         self._stats = per_actor
-        if not per_actor:
-            return {}
-        out: dict[str, Any] = {}
-        keys = {k for s in per_actor.values() for k in s}
-        for key in keys:
-            values = [s[key] for s in per_actor.values() if isinstance(s.get(key), (int, float))]
-            if not values:
-                continue
-            out[key] = sum(values) if key in SUMMED_STATS else sum(values) / len(values)
-        out["perf/rollout_idle_ratio"] = out.get("rollout/idle_ratio", 0.0)
-        return out
+        return merge_actor_stats(per_actor)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Each actor's state for `asyncrl.ctl status`, from the latest `stats()`."""
