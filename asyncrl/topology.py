@@ -4,8 +4,8 @@ Read `build_topology` top to bottom to see every component of a job and the orde
 data, coordinator, replay buffer, verifier service, learner group, weight sender, rollout fleet
 (and, on resume, a first weight broadcast). Each step is timed and a step that cannot start fails
 the launch with its name (asyncrl.startup.StartupError), with everything already started torn
-down. `Topology.shutdown` stops them in that order reversed where it matters (the fleet first, so
-no actor pushes to a buffer that is gone). `describe_failure` names the component behind an error.
+down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
+to a buffer that is gone). `describe_failure` names the component behind an error.
 """
 
 from __future__ import annotations
