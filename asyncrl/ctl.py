@@ -6,6 +6,10 @@ The job is found through `<run-dir>/job.json` (Ray address + namespace, written 
 Each command is queued on the job's coordinator; the driver executes it between learner steps and
 posts the result, which is printed here. Exit status: 0 done, 1 the job refused or failed it (the
 reason is printed), 2 bad usage or no running job.
+
+The job side: `execute` runs one queued command through the job's table of named handlers
+(asyncrl.trainer.Trainer.ctl_handlers); a command it does not know, or one that raises, becomes an
+`{"ok": false, "error": ...}` result for the caller instead of an error in the job.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +49,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def execute(handlers: Mapping[str, Callable[..., dict[str, Any]]], command: str,
+            args: dict[str, Any]) -> dict[str, Any]:
+    """The result of one ctl command on the job: its handler's answer, or an error result naming an
+    unknown command (and the known ones) or the exception the handler raised."""
+    handler = handlers.get(command)
+    if handler is None:
+        return {"ok": False, "error": f"unknown command {command!r}; this job knows: {', '.join(sorted(handlers))}"}
+    try:
+        return handler(**args)
+    except Exception as exc:  # noqa: BLE001 - report to the ctl caller instead of crashing the job
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def _find_run_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
@@ -66,10 +85,10 @@ def _not_running(job: dict) -> str:
             return f"its launcher (pid {pid}) has exited"
         except PermissionError:
             pass
-    from asyncrl.runtime import StartupError, _check_reachable
+    from asyncrl.startup import StartupError, check_reachable
 
     try:
-        _check_reachable(str(job.get("ray_address", "")), timeout_s=3.0)
+        check_reachable(str(job.get("ray_address", "")), timeout_s=3.0)
     except StartupError as exc:
         return str(exc)
     return ""

@@ -25,6 +25,10 @@ tokens per sample (verifier tokens counted with the policy tokenizer on the raw 
 `evaluate(model_path, rows, mode)` builds an engine; `evaluate_with_llm(llm, tokenizer, rows,
 mode)` reuses an offline `vllm.LLM`; `evaluate_async(generate, tokenizer, rows, mode)` drives any
 async `generate(prompt_ids, seed)` (e.g. a rollout actor's engine).
+
+A training job evaluates on its rollout fleet, the rows split over the actors; `merge_shards`
+turns the actors' per-shard answers into one result of the same layout (`merge_mode` weights each
+shard's numbers by its `n` and recomputes the standard error from the merged `n`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from typing import Any, Literal
 
 Mode = Literal["guided", "solver"]
 STOP = "###STOP###"
+# The top-level numbers of an evaluation result (logged as eval/<key>, compared before/after).
+EVAL_KEYS = ("guided_accuracy", "solver_accuracy", "mean_turns", "mean_policy_tokens", "mean_verifier_tokens",
+             "format_rate", "hallucination_score")
 
 
 def _boxed(text: str) -> str | None:
@@ -226,6 +233,62 @@ def combine(results: dict[str, dict]) -> dict:
     return out
 
 
+def row_order(conv: dict[str, Any]) -> tuple[int, str]:
+    """Evaluation transcripts in row-id order (numeric ids numerically), so before/after line up."""
+    rid = str(conv.get("id", ""))
+    return (int(rid), "") if rid.isdigit() else (1 << 62, rid)
+
+
+def merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge per-shard summaries of one eval mode (numbers weighted by each shard's `n`)."""
+    n = sum(p.get("n", 0) for p in parts)
+    out: dict[str, Any] = {"mode": parts[0].get("mode"), "n": n}
+    for key, value in parts[0].items():
+        if key in out or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        out[key] = sum(p.get(key, 0.0) * p.get("n", 0) for p in parts) / max(n, 1)
+    if "accuracy" in out:  # a standard error does not average across shards: recompute it from the merged n
+        out["accuracy_se"] = accuracy_se(out["accuracy"], n)
+    by_steps: dict[str, dict[str, float]] = {}
+    for p in parts:
+        for k, v in (p.get("accuracy_by_steps") or {}).items():
+            b = by_steps.setdefault(k, {"n": 0, "correct": 0.0})
+            b["n"] += v["n"]
+            b["correct"] += v["accuracy"] * v["n"]
+    if by_steps:
+        out["accuracy_by_steps"] = {k: {"n": int(b["n"]), "accuracy": round(b["correct"] / max(b["n"], 1), 4)}
+                                    for k, b in sorted(by_steps.items(), key=lambda kv: int(kv[0]))}
+    reasons: dict[str, int] = {}
+    for p in parts:
+        for r, c in (p.get("finish_reasons") or {}).items():
+            reasons[r] = reasons.get(r, 0) + c
+    out["finish_reasons"] = reasons
+    out["wall_s"] = max(p.get("wall_s", 0.0) for p in parts)
+    return out
+
+
+def merge_service_eval(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge per-shard results of an evaluation against the verifier service (keyed by `num_rows`)."""
+    total = sum(p.get("num_rows", 0) for p in parts) or 1
+    out: dict[str, Any] = {"num_rows": total}
+    for key in EVAL_KEYS:
+        vals = [(p[key], p.get("num_rows", 0)) for p in parts if key in p]
+        if vals:
+            out[key] = sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1)
+    return out
+
+
+def merge_shards(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """One result from the rollout actors' per-shard answers (`{mode: summary}`, or `{"service": ...}`
+    against the verifier service): the merged result in the layout of `combine`, and each mode's
+    transcripts (taken out of the shards) in row order."""
+    conversations = {m: sorted((c for p in parts for c in p[m].pop("conversations", [])), key=row_order)
+                     for m in parts[0] if isinstance(parts[0][m], dict)}
+    if "service" in parts[0]:
+        return merge_service_eval([p["service"] for p in parts]), conversations
+    return combine({m: merge_mode([p[m] for p in parts]) for m in parts[0]}), conversations
+
+
 def evaluate(model_path: str, rows: Sequence[dict], mode: Mode | Literal["both"] = "both", *, task: str = "arith",
              max_turns: int = 4, max_tokens: int = 64, temperature: float = 0.0, max_prompt_length: int = 256,
              llm: Any = None) -> dict:
@@ -243,6 +306,34 @@ def evaluate(model_path: str, rows: Sequence[dict], mode: Mode | Literal["both"]
                                        max_prompt_length=max_prompt_length)
         results[m]["wall_s"] = round(time.time() - t0, 1)
     return combine(results)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The end-of-run table on the console: each evaluation number before and after training (with
+    the standard errors), then the run's steps, wall time, throughput and staleness histogram."""
+    before, after = summary.get("before", {}), summary.get("after", {})
+    lines = ["", "=" * 64, "asyncrl run summary", "=" * 64]
+    if before or after:
+        lines.append(f"{'':24}{'before':>12}{'after':>12}{'change':>12}")
+        for key in EVAL_KEYS:
+            b, a = before.get(key), after.get(key)
+            if not isinstance(b, (int, float)) and not isinstance(a, (int, float)):
+                continue
+            fmt = (lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-")  # noqa: E731
+            change = f"{a - b:+.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
+            lines.append(f"{key:24}{fmt(b):>12}{fmt(a):>12}{change:>12}")
+            se = [d.get(f"{key}_se") for d in (before, after)]
+            if any(isinstance(v, float) for v in se):  # binomial standard errors of the accuracies above
+                lines.append(f"{'  ± std. error':24}{fmt(se[0]):>12}{fmt(se[1]):>12}")
+    lines.append(f"steps {summary.get('steps')}  wall {summary.get('wall_s', 0):.0f}s  trained tokens/s "
+                 f"{summary.get('trained_tokens_per_s', 0):.0f}  weight sync {summary.get('weight_sync_s', 0):.1f}s")
+    if summary.get("staleness_hist"):
+        lines.append("staleness of trained groups (lag: count): "
+                     + ", ".join(f"{i}: {c}" for i, c in enumerate(summary["staleness_hist"])))
+    lines.append("=" * 64)
+    from asyncrl.logs import echo
+
+    echo("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ console as Ray forwards it (Ray's session directory keeps its usual copies).
 
 Contract with the roles: each Ray actor of a job calls `redirect_output(role)` first in its
 constructor. It is a no-op outside a job (`ASYNCRL_LOG_DIR` unset) and in verbose mode. The driver
-wraps the job in `quiet_console(run_dir)` and writes its own lines with `echo` (asyncrl.runtime.say).
+wraps the job in `quiet_console(run_dir)` and writes its own lines with `echo` (asyncrl.startup.say).
 Multi-node jobs: each node writes its roles' files under the same path on its own disk; the driver
 echoes the attention lines of its own node only.
 """

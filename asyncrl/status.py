@@ -15,6 +15,12 @@ from pathlib import Path
 from typing import Any
 
 STATUS_FILE = "status.json"
+# The metrics of the latest step that a status carries under `latest` (what format_status shows).
+STATUS_KEYS = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "rollout/turns_mean", "perf/step_s",
+               "perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio", "buffer/size_groups",
+               "buffer/staleness_mean", "perf/weight_sync_s", "verifier/version",
+               "buffer/in_flight", "buffer/admission_used", "buffer/admission_limit", "buffer/staleness_max",
+               "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
 
 
 def write_status(run_dir: str | Path, status: dict[str, Any]) -> Path:

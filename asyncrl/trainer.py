@@ -1,42 +1,47 @@
-"""The learner-paced training loop of a running job (the topology is built by asyncrl.runtime).
+"""The learner-paced training loop of a running job (its components: asyncrl.topology).
 
 Per step: the learner takes a batch of B groups for its version from the replay buffer (waiting is
-`perf/learner_idle_ratio`), trains, bumps the version and broadcasts the new weights to every
-rollout engine (`perf/weight_sync_s`); then metrics from every part are logged under one step,
-control commands from `asyncrl.ctl` are executed, dead rollout actors are restarted with the newest
-weights, and checkpoints/evaluations happen on their schedule. The rollout fleet is never paused
-for the learner: it is paced only by the buffer's admission tickets (staleness bound).
+`perf/learner_idle_ratio`), trains, bumps the version and the rollout fleet takes the new weights
+(asyncrl.actors.fleet.RolloutFleet.sync_weights, `perf/weight_sync_s`); then metrics from every
+part are logged under one step, control commands from `asyncrl.ctl` are executed (`ctl_handlers`),
+the fleet heals its dead actors, and checkpoints/evaluations happen on their schedule. A dead
+learner rank is rebuilt in the job from the newest checkpoint (`recover_learner`); any other
+death ends the job with a checkpoint (`on_failure`). The fleet is never paused for the learner.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, VerifierConfig
-from asyncrl.eval import accuracy_se
-from asyncrl.logs import console, echo
+from asyncrl.eval import EVAL_KEYS, merge_shards, print_summary
+from asyncrl.logs import console
 from asyncrl.metrics import MetricLogger, format_console, progress_every, save_plots
-from asyncrl.runtime import StopFlag, Topology, enrol, say, start_actors, sync_weights, withdraw
+from asyncrl.startup import say
+from asyncrl.topology import Topology, describe_failure
 
-EVAL_KEYS = ("guided_accuracy", "solver_accuracy", "mean_turns", "mean_policy_tokens", "mean_verifier_tokens",
-             "format_rate", "hallucination_score")
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from asyncrl.actors.fleet import RolloutFleet
+    from asyncrl.startup import StopFlag
 
 
 class Trainer:
     def __init__(self, cfg: Config, topo: Topology, run_dir: Path, stop: StopFlag, resume: Path | None):
         self.cfg = cfg
         self.topo = topo
+        assert topo.fleet is not None and topo.learner is not None, "a built topology"
+        self.fleet: RolloutFleet = topo.fleet
         self.run_dir = run_dir
         self.stop = stop
         self.resume = resume
         self.logger = MetricLogger(run_dir, cfg.trainer.logger, cfg.trainer.project_name,
                                    cfg.trainer.experiment_name, cfg.model_dump(mode="json"))
-        self.loops: dict[str, Any] = {}
         self.version = topo.learner.version
         self.step = topo.learner.version  # one learner step = one policy version
         if resume is not None and (resume / "run_state.json").exists():
@@ -54,7 +59,6 @@ class Trainer:
         if resume is not None:
             self._mark_resume(resume)
         self.t_start = time.time()
-        self._failures: dict[str, tuple[str, int]] = {}  # actor -> (error signature, times in a row)
         self._first_step = self.step  # steps of this process (a resumed run starts later): for the ETA
         self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
 
@@ -65,8 +69,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.trainer.eval_before_after and cfg.data.test_files and self.resume is None:
             self.summary["before"] = self.evaluate("test", tag="before")
-        for actor_id in self.topo.actors:
-            self._start_loop(actor_id)
+        self.fleet.start_loops()
         tty = console().isatty()
         bar = None
         if tty:
@@ -87,7 +90,7 @@ class Trainer:
             if metrics is None:
                 break
             self.step += 1
-            self._failures.clear()  # a trained step: earlier failures were not a persistent fault
+            self.fleet.forget_failures()  # a trained step: earlier failures were not a persistent fault
             self.logger.log(self.step, metrics)
             if bar is not None:
                 bar.update(1)
@@ -96,7 +99,7 @@ class Trainer:
                 say(format_console(self.step, cfg.trainer.max_steps, metrics))
             self._publish_status(metrics)
             self.handle_commands()
-            self.heal_actors()
+            self.fleet.heal()
             if cfg.trainer.save_every > 0 and self.step % cfg.trainer.save_every == 0:
                 self.checkpoint()
             if cfg.trainer.eval_every > 0 and self.step % cfg.trainer.eval_every == 0 and cfg.data.val_files:
@@ -109,7 +112,7 @@ class Trainer:
             bar.close()
         # Graceful end: no new groups; what is in flight is abandoned and re-issued on resume.
         ray.get(self.topo.coordinator.set_stopping.remote())
-        self._stop_loops()
+        self.fleet.stop_loops()
         self.checkpoint()
         if cfg.trainer.eval_before_after and cfg.data.test_files and not self.stop.requested:
             self.summary["after"] = self.evaluate("test", tag="after")
@@ -165,8 +168,8 @@ class Trainer:
             self._trained_recent[int(g.metadata.get("prompt_index", -1))] = None
         self._pending_row = {**learner_metrics, **_batch_metrics(groups, lags, cfg.buffer.max_staleness)}
         self.version = int(learner_metrics.get("train/version", self.version + 1))
-        self.heal_actors()  # a dead engine found now is withdrawn before the broadcast waits for it
-        sync = sync_weights(topo)
+        self.fleet.heal()  # a dead engine found now is withdrawn before the broadcast waits for it
+        sync = self.fleet.sync_weights(topo.weight_address)
         t2 = time.time()
         trained = [int(g.metadata.get("prompt_index", -1)) for g in groups]
         while len(self._trained_recent) > 8192:
@@ -184,7 +187,7 @@ class Trainer:
         metrics.update(ray.get(topo.buffer.stats.remote()))
         metrics.update(self._recovery_checks(metrics, coord or {}))
         metrics.update(self._length_metrics(groups))
-        metrics.update(self._rollout_stats())
+        metrics.update(self.fleet.stats())
         metrics.update(_batch_metrics(groups, lags, cfg.buffer.max_staleness))
         report = sync.get("report") or {}
         metrics.update({
@@ -196,7 +199,7 @@ class Trainer:
             "perf/learner_idle_ratio": min(1.0, wait_s / max(step_s, 1e-9)),
             "perf/train_tokens": tokens,
             "perf/tokens_per_s": tokens / max(step_s, 1e-9),
-            "perf/rollout_actors": len(topo.actors),
+            "perf/rollout_actors": len(self.fleet),
             "perf/weight_sync_dropped": len(sync.get("dropped", [])),
             # parameters whose sampled fingerprint differed after a load (each was re-fed from the store)
             "weights/fingerprint_mismatch": sum(int(r.get("fingerprint_mismatch") or 0)
@@ -221,139 +224,29 @@ class Trainer:
             self.duplicates_dropped += len(got) - len(fresh)  # re-delivered across a buffer restart
             groups += fresh
             if len(groups) < num_groups:
-                self.heal_actors()
+                self.fleet.heal()
         if len(groups) < num_groups and not self.stop.requested:
             raise RuntimeError(f"the learner got {len(groups)}/{num_groups} groups in learner.batch_timeout_s="
                                f"{timeout_s:.0f}s: is the rollout fleet alive? (asyncrl.ctl status)")
         return groups
 
-    def _rollout_stats(self) -> dict[str, Any]:
-        import ray
-
-        refs = {aid: a.stats.remote() for aid, a in self.topo.actors.items()}
-        per_actor = {}
-        for aid, ref in refs.items():
-            try:
-                per_actor[aid] = ray.get(ref, timeout=30)
-            except Exception:  # noqa: BLE001 - a dead actor is healed after the step; skip its stats
-                continue
-        self._actor_stats = per_actor  # for status.json
-        if not per_actor:
-            return {}
-        out: dict[str, Any] = {}
-        keys = {k for s in per_actor.values() for k in s}
-        summed = ("rollout/tokens_per_s", "rollout/groups_per_s", "rollout/groups_pushed", "rollout/groups_failed",
-                  "rollout/groups_dropped_verifier_error", "rollout/policy_tokens", "rollout/groups_in_flight")
-        for key in keys:
-            values = [s[key] for s in per_actor.values() if isinstance(s.get(key), (int, float))]
-            if not values:
-                continue
-            out[key] = sum(values) if key in summed else sum(values) / len(values)
-        out["perf/rollout_idle_ratio"] = out.get("rollout/idle_ratio", 0.0)
-        return out
-
-    _actor_stats: dict[str, Any] = {}
-
     def _publish_status(self, m: dict[str, Any]) -> None:
         """What `asyncrl.ctl status` prints: held by the coordinator (`--live`) and written to
         `<run_dir>/status.json` (asyncrl.status), which ctl reads without joining Ray."""
-        keys = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "rollout/turns_mean", "perf/step_s",
-                "perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio", "buffer/size_groups",
-                "buffer/staleness_mean", "perf/weight_sync_s", "verifier/version",
-                "buffer/in_flight", "buffer/admission_used", "buffer/admission_limit", "buffer/staleness_max",
-                "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
-        status = {
-            "step": self.step, "max_steps": self.cfg.trainer.max_steps, "rollout_actors": sorted(self.topo.actors),
-            "verifier_version": self.cfg.verifier.version, "run_dir": str(self.run_dir),
-            "latest": {k: m[k] for k in keys if k in m}}
-        from asyncrl.status import write_status
+        from asyncrl.status import STATUS_KEYS, write_status
 
+        status = {
+            "step": self.step, "max_steps": self.cfg.trainer.max_steps, "rollout_actors": sorted(self.fleet.actors),
+            "verifier_version": self.cfg.verifier.version, "run_dir": str(self.run_dir),
+            "latest": {k: m[k] for k in STATUS_KEYS if k in m}}
         elapsed = time.time() - self.t_start
         steps_here = self.step - self._first_step
         per_step = (time.time() - getattr(self, "_t_loop", self.t_start)) / max(steps_here, 1)
         eta = per_step * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None
-        actors = {}
-        for aid in self.topo.actors:
-            s = self._actor_stats.get(aid, {})
-            actors[aid] = {"state": "running" if aid in self.loops else "stopped", "version": s.get("rollout/version"),
-                           "tokens_per_s": s.get("rollout/tokens_per_s"),
-                           "groups_in_flight": s.get("rollout/groups_in_flight")}
-        status.update({"version": self.version, "elapsed_s": elapsed, "eta_s": eta, "actors": actors,
+        status.update({"version": self.version, "elapsed_s": elapsed, "eta_s": eta, "actors": self.fleet.status(),
                        "pid": os.getpid(), "updated": time.time()})
         self.topo.coordinator.set_status.remote(status)
         write_status(self.run_dir, status)
-
-    # ------------------------------------------------------------------ actors
-    def _start_loop(self, actor_id: str) -> None:
-        self.loops[actor_id] = self.topo.actors[actor_id].run.remote()
-
-    def _stop_loops(self, actor_ids: list[str] | None = None, timeout: float = 60.0) -> None:
-        import ray
-
-        ids = actor_ids or list(self.loops)
-        for aid in ids:
-            actor = self.topo.actors.get(aid)
-            if actor is not None:
-                actor.stop.remote()
-        refs = [self.loops.pop(aid) for aid in ids if aid in self.loops]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout)
-
-    def heal_actors(self) -> None:
-        """A rollout loop that ended with an error means its actor died: Ray restarts the process
-        (max_restarts); we re-issue its prompts, start it again with the newest weights, rebuild the
-        weight group."""
-        import ray
-
-        if not self.loops:
-            return
-        done, _ = ray.wait(list(self.loops.values()), num_returns=len(self.loops), timeout=0)
-        changed = False
-        for ref in done:
-            aid = next(a for a, r in self.loops.items() if r == ref)
-            try:
-                ray.get(ref)
-                continue  # ended normally (stop requested)
-            except Exception as exc:  # noqa: BLE001 - actor death is expected here; we heal it
-                self._count_failure(aid, exc)
-                say(f"{aid} died ({type(exc).__name__}); re-issuing its prompts and restarting it")
-            lost = ray.get(self.topo.coordinator.abandon_actor.remote(aid))
-            released = ray.get(self.topo.buffer.release_actor.remote(aid))  # its admission tickets
-            if released:
-                say(f"  released {released} admission ticket(s) held by {aid}")
-            self.loops.pop(aid)
-            try:
-                report = self._start_restarted(aid)
-                say(f"{aid} restarted at weights v{report['version']} ({lost} prompt(s) re-issued)")
-                self._start_loop(aid)
-                changed = True
-            except Exception as exc:  # noqa: BLE001
-                say(f"{aid} could not be restarted ({exc}); removing it")
-                ray.kill(self.topo.actors.pop(aid), no_restart=True)
-                changed = True
-        if changed:
-            live = [a for a in self.loops if a in self.topo.actors]
-            enrol(self.topo, live, remove_first=True)
-
-    def _count_failure(self, aid: str, exc: BaseException) -> None:
-        """Raise RepeatedFailure once `aid` failed `cluster.max_identical_failures` times in a row
-        with the same error (a restart cannot fix an unreachable address)."""
-        from asyncrl.runtime import RepeatedFailure
-
-        cause = getattr(exc, "cause", None) or exc
-        text = f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
-        signature = re.sub(r"\d+(\.\d+)?s\b", "Ns", text)  # "within 30.0s" and the like do not make it new
-        last, count = self._failures.get(aid, ("", 0))
-        count = count + 1 if signature == last else 1
-        self._failures[aid] = (signature, count)
-        if count >= self.cfg.cluster.max_identical_failures:
-            ip = re.search(r"\bip[=:] ?(\d{1,3}(?:\.\d{1,3}){3})", str(exc))
-            host = getattr(exc, "ip", None) or (ip.group(1) if ip else "unknown host")
-            found = re.search(r"(tcp://[^\s,;)]+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+)", text)
-            where = f"; unreachable address: {found.group(1)}" if found else ""
-            raise RepeatedFailure(f"{aid} on host {host} failed {count} times in a row with the same error "
-                                  f"({text}){where}; stopping instead of restarting it again "
-                                  "(python -m asyncrl.doctor --config ... checks every address from every node)")
 
     # ------------------------------------------------------------------ faults
     def _mark_resume(self, resume: Path) -> None:
@@ -432,7 +325,6 @@ class Trainer:
         import ray
 
         from asyncrl.learner.checkpoint import latest_checkpoint
-        from asyncrl.runtime import describe_failure
 
         component, host, reason = describe_failure(self.topo, exc)
         limit = self.cfg.cluster.max_restarts
@@ -451,8 +343,8 @@ class Trainer:
             label = max(self.version, topo.learner.version) + 1  # a version number never names two policies
             topo.learner.set_version(label)
             topo.weight_address = topo.learner.start_weight_sender(port=self.cfg.learner.weights.port, publish=True)
-            enrol(topo, [a for a in self.loops if a in topo.actors])
-            sync_weights(topo)
+            self.fleet.enrol(self.fleet.running())
+            self.fleet.sync_weights(topo.weight_address)
         except Exception as exc2:  # noqa: BLE001 - cannot rebuild here (e.g. the node is gone): stop for a resume
             say(f"the learner group could not be rebuilt in this job ({type(exc2).__name__}: {exc2})")
             raise exc2 from exc
@@ -477,8 +369,6 @@ class Trainer:
         the traceback to `error.log`, then a checkpoint of everything still alive. Returns the exit
         status (3: restart with trainer.resume=auto)."""
         import traceback
-
-        from asyncrl.runtime import describe_failure
 
         component, host, reason = describe_failure(self.topo, exc)
         log = self.run_dir / "error.log"
@@ -508,55 +398,26 @@ class Trainer:
             pass
         return 3
 
-    def _start_restarted(self, aid: str) -> dict[str, Any]:
-        """`start()` on an actor Ray is restarting: "temporarily unavailable" while its new process
-        comes up is waited out (up to cluster.startup_timeout_s), not taken for a failed restart."""
-        import ray
-
-        actor, deadline = self.topo.actors[aid], time.time() + self.cfg.cluster.startup_timeout_s
-        while True:  # a cheap call first: `start` is sent once, to the new process
-            try:
-                ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.time()))
-                break
-            except ray.exceptions.ActorUnavailableError:
-                if time.time() >= deadline:
-                    raise
-                time.sleep(1.0)
-        return ray.get(actor.start.remote(), timeout=max(1.0, deadline - time.time()))
-
     # ------------------------------------------------------------------ ctl commands
+    def ctl_handlers(self) -> dict[str, Callable[..., dict[str, Any]]]:
+        """The `asyncrl.ctl` commands the job executes, by the name ctl queues them under."""
+        return {"scale": self.cmd_scale, "swap-verifier": self.cmd_swap_verifier,
+                "dry-run-verifier": self.cmd_dry_run_verifier, "checkpoint": self.cmd_checkpoint,
+                "stop": self.cmd_stop}
+
     def handle_commands(self) -> None:
+        """Execute the commands queued on the coordinator since the last step; post each result."""
         import ray
+
+        from asyncrl.ctl import execute
 
         for cmd in ray.get(self.topo.coordinator.take_commands.remote()):
-            try:
-                result = getattr(self, f"cmd_{cmd['command'].replace('-', '_')}")(**cmd["args"])
-            except Exception as exc:  # noqa: BLE001 - report to the ctl caller instead of crashing the job
-                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            result = execute(self.ctl_handlers(), cmd["command"], cmd["args"])
             say(f"ctl {cmd['command']}: {json.dumps(result, default=str)}")
             ray.get(self.topo.coordinator.post_result.remote(cmd["id"], result))
 
     def cmd_scale(self, n: int) -> dict[str, Any]:
-        current = list(self.topo.actors)
-        if n > len(current):
-            added = start_actors(self.topo, n - len(current), self.cfg.cluster.startup_timeout_s)
-            for aid in added:
-                self._start_loop(aid)
-            return {"ok": True, "added": added, "actors": sorted(self.topo.actors)}
-        removed = current[n:]
-        withdraw(self.topo, removed)
-        self._stop_loops(removed)
-        import ray
-
-        for aid in removed:
-            ray.get(self.topo.coordinator.abandon_actor.remote(aid))
-            actor = self.topo.actors.pop(aid)
-            try:
-                ray.get(actor.shutdown.remote(), timeout=15)
-            except Exception:  # noqa: BLE001
-                pass
-            ray.kill(actor, no_restart=True)
-        return {"ok": True, "removed": removed, "actors": sorted(self.topo.actors)}
+        return self.fleet.scale(n, self.cfg.cluster.startup_timeout_s)
 
     def cmd_swap_verifier(self, verifier: dict[str, Any]) -> dict[str, Any]:
         from asyncrl.serve.deploy import swap_verifier
@@ -617,7 +478,7 @@ class Trainer:
             cursor["reissue"] = [i for i in cursor["reissue"] if int(i) not in self._trained_recent]
             (staging / "data_cursor.json").write_text(json.dumps(cursor))
             (staging / "run_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
-                                                                "actors": len(topo.actors)}))
+                                                                "actors": len(self.fleet)}))
 
         t0 = time.time()
         path = topo.learner.save_checkpoint(self.step, extra)
@@ -626,11 +487,8 @@ class Trainer:
 
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
         """Greedy evaluation on the actors' engines (current weights), rows split over the actors;
-        the result has the layout of `python -m asyncrl.eval --output` (asyncrl.eval.combine)."""
-        import ray
-
+        the result has the layout of `python -m asyncrl.eval --output` (asyncrl.eval.merge_shards)."""
         from asyncrl.data import load_rows
-        from asyncrl.eval import combine
 
         files = self.cfg.data.test_files if split == "test" else self.cfg.data.val_files
         rows = load_rows(files, self.cfg.data)
@@ -638,17 +496,8 @@ class Trainer:
             rows = rows[: self.cfg.trainer.eval_limit]
         if self.cfg.data.prompt_key != "problem":
             rows = [{**r, "problem": r[self.cfg.data.prompt_key], "answer": r[self.cfg.data.answer_key]} for r in rows]
-        actors = list(self.topo.actors.values())
         t0 = time.time()
-        shards = [rows[i:: len(actors)] for i in range(len(actors))]
-        keep = -(-self.cfg.trainer.samples_per_eval // max(1, len(actors)))  # per shard, for the report's viewer
-        parts = ray.get([a.evaluate.remote(s, "both", keep) for a, s in zip(actors, shards) if s])
-        conversations = {m: sorted((c for p in parts for c in p[m].pop("conversations", [])), key=_row_order)
-                         for m in parts[0] if isinstance(parts[0][m], dict)}
-        if "service" in parts[0]:
-            result = _merge_eval([p["service"] for p in parts])
-        else:
-            result = combine({m: _merge_mode([p[m] for p in parts]) for m in parts[0]})
+        result, conversations = merge_shards(self.fleet.evaluate(rows, "both", self.cfg.trainer.samples_per_eval))
         result["seconds"] = time.time() - t0
         result["version"] = self.version
         result["rows"] = len(rows)
@@ -717,71 +566,3 @@ def _batch_metrics(groups: list[Any], lags: list[int], max_staleness: int) -> di
     out["verifier/versions_in_batch"] = ",".join(versions)
     out["train/prompt_indices"] = sorted(int(g.metadata.get("prompt_index", -1)) for g in groups)
     return out
-
-
-def _row_order(conv: dict[str, Any]) -> tuple[int, str]:
-    """Evaluation transcripts in row-id order (numeric ids numerically), so before/after line up."""
-    rid = str(conv.get("id", ""))
-    return (int(rid), "") if rid.isdigit() else (1 << 62, rid)
-
-
-def _merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge per-shard summaries of one eval mode (numbers weighted by each shard's `n`)."""
-    n = sum(p.get("n", 0) for p in parts)
-    out: dict[str, Any] = {"mode": parts[0].get("mode"), "n": n}
-    for key, value in parts[0].items():
-        if key in out or not isinstance(value, (int, float)) or isinstance(value, bool):
-            continue
-        out[key] = sum(p.get(key, 0.0) * p.get("n", 0) for p in parts) / max(n, 1)
-    if "accuracy" in out:  # a standard error does not average across shards: recompute it from the merged n
-        out["accuracy_se"] = accuracy_se(out["accuracy"], n)
-    by_steps: dict[str, dict[str, float]] = {}
-    for p in parts:
-        for k, v in (p.get("accuracy_by_steps") or {}).items():
-            b = by_steps.setdefault(k, {"n": 0, "correct": 0.0})
-            b["n"] += v["n"]
-            b["correct"] += v["accuracy"] * v["n"]
-    if by_steps:
-        out["accuracy_by_steps"] = {k: {"n": int(b["n"]), "accuracy": round(b["correct"] / max(b["n"], 1), 4)}
-                                    for k, b in sorted(by_steps.items(), key=lambda kv: int(kv[0]))}
-    reasons: dict[str, int] = {}
-    for p in parts:
-        for r, c in (p.get("finish_reasons") or {}).items():
-            reasons[r] = reasons.get(r, 0) + c
-    out["finish_reasons"] = reasons
-    out["wall_s"] = max(p.get("wall_s", 0.0) for p in parts)
-    return out
-
-
-def _merge_eval(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    total = sum(p.get("num_rows", 0) for p in parts) or 1
-    out: dict[str, Any] = {"num_rows": total}
-    for key in EVAL_KEYS:
-        vals = [(p[key], p.get("num_rows", 0)) for p in parts if key in p]
-        if vals:
-            out[key] = sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1)
-    return out
-
-
-def print_summary(summary: dict[str, Any]) -> None:
-    before, after = summary.get("before", {}), summary.get("after", {})
-    lines = ["", "=" * 64, "asyncrl run summary", "=" * 64]
-    if before or after:
-        lines.append(f"{'':24}{'before':>12}{'after':>12}{'change':>12}")
-        for key in EVAL_KEYS:
-            b, a = before.get(key), after.get(key)
-            if not isinstance(b, (int, float)) and not isinstance(a, (int, float)):
-                continue
-            fmt = (lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-")  # noqa: E731
-            change = f"{a - b:+.3f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
-            lines.append(f"{key:24}{fmt(b):>12}{fmt(a):>12}{change:>12}")
-            se = [d.get(f"{key}_se") for d in (before, after)]
-            if any(isinstance(v, float) for v in se):  # binomial standard errors of the accuracies above
-                lines.append(f"{'  ± std. error':24}{fmt(se[0]):>12}{fmt(se[1]):>12}")
-    lines.append(f"steps {summary.get('steps')}  wall {summary.get('wall_s', 0):.0f}s  trained tokens/s "
-                 f"{summary.get('trained_tokens_per_s', 0):.0f}  weight sync {summary.get('weight_sync_s', 0):.1f}s")
-    if summary.get("staleness_hist"):
-        lines.append("staleness of trained groups (lag: count): "
-                     + ", ".join(f"{i}: {c}" for i, c in enumerate(summary["staleness_hist"])))
-    lines.append("=" * 64)
-    echo("\n".join(lines))

@@ -1,6 +1,6 @@
 """Images of a multimodal prompt: loading, resizing, trimming, wire encoding, and the Qwen-VL
 config helpers both roles need (`is_vl_config`, `vision_logit_bias`). The original's image
-handling is described in docs/guided_grpo.md, 'Images'.
+handling is described in docs/guided_grpo.md#bug-image-reencode and #bug-limit-images.
 
 One pipeline, used by the rollout AND the learner, so both see the same pixels:
 

@@ -14,7 +14,7 @@ Inputs
 - `group_index`: [N] group id per sample (ints, or any hashable values, e.g. prompt uids).
 - `response_mask`: [N, T], 1 on trained response tokens.
 
-Follows Guided-GRPO (docs/guided_grpo.md, 'Advantages'):
+Follows Guided-GRPO (docs/guided_grpo.md#algorithms):
 - `grpo`: A_i = (s_i - mean_g) / (std_g + eps), std UNBIASED (N-1), eps 1e-6; a group whose
   rewards are all equal gets A = 0; groups need >= 2 samples (the original asserts the same).
 - `rloo`: A_i = s_i - mean of the OTHER samples of the group.
@@ -30,14 +30,14 @@ Departs from Guided-GRPO:
 - `dr_grpo` (not in the original): A_i = s_i - mean_g, no std, no length normalisation (pair it
   with `loss_avg_mode=seq_sum_token_mean` for the full Dr.GRPO objective).
 - `grpo_passk`: the original leaves the raw score s_j as the advantage of the non-best samples
-  (docs/guided_grpo.md, 'Known bugs of the original'); here they get 0, as intended. The best sample (first on ties)
+  (docs/guided_grpo.md#bug-estimators); here they get 0, as intended. The best sample (first on ties)
   gets (r1 - r2) / (std_g + eps) (or r1 - r2 with `norm_by_std=False`).
 - `reinforce_plus_plus` skips untrained positions (t' = the next trained token) where the
   original resets the running return at every mask-0 token. Identical for right padding; with a
   multi-turn mask whose holes are verifier/user tokens, the original would cut the final reward
   off from every earlier turn.
 - `gae` is not offered (asyncrl has no critic, and the original's GAE is broken:
-  docs/guided_grpo.md, 'Known bugs of the original').
+  docs/guided_grpo.md#bug-estimators).
 """
 
 from __future__ import annotations

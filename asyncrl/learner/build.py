@@ -10,7 +10,7 @@ trainable parameters; `build_engine` returns an engine whose DeepSpeed config ha
 sizes of 1 per micro-step: the learner owns micro-batching and calls `engine.step()` itself
 (unmanaged gradient accumulation). The LR schedule advances per optimizer step, with warmup
 factor (s + 1) / warmup so the first step does not run at LR 0 (both depart from Guided-GRPO:
-docs/guided_grpo.md, 'Known bugs of the original').
+docs/guided_grpo.md#bug-lr-per-step).
 """
 
 from __future__ import annotations

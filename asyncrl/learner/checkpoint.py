@@ -17,7 +17,7 @@ Guarantees
   complete ones.
 - Retention (`save_limit` = K > 0): after the new checkpoint is renamed into place, the oldest
   complete ones beyond K are deleted; nothing is deleted before the new one is complete.
-Departs from Guided-GRPO (docs/guided_grpo.md, 'Checkpoints'): per-step directories are `step_N` not
+Departs from Guided-GRPO (docs/guided_grpo.md#checkpoints): per-step directories are `step_N` not
 `global_step_N`; an HF export is always written; the adaptive-KL state and policy version are
 saved (the original does not save them); pruning happens after, not before, the new save.
 """

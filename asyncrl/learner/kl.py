@@ -7,10 +7,9 @@ Estimators of KL(pi || pi_ref) on tokens sampled from pi (d = logp - logp_ref), 
 - `k2`: d^2 / 2                (Guided-GRPO `mse`)
 - `k3`: e^x - x - 1 with x = clamp(-d, -20, 20), result clamped to [-10, 10]
                                (Guided-GRPO `low_var_kl`, clamps included, for parity)
-The original's `full` estimator is mis-specified (docs/guided_grpo.md, 'Known bugs of the
-original') and not offered.
+The original's `full` estimator is mis-specified (docs/guided_grpo.md#bug-estimators) and not offered.
 
-Applying it (docs/guided_grpo.md, 'KL'):
+Applying it (docs/guided_grpo.md#algorithms):
 - as a loss term: `losses.policy_loss` adds beta * agg(kl(logp, logp_ref)) with the policy loss's
   own aggregation, so the term is exact under gradient accumulation too;
 - in the reward: `apply_kl_penalty` gives r_t - beta * kl(logp, logp_ref) * m_t (the original

@@ -30,7 +30,7 @@ function, `step_metrics`.
 Departs from Guided-GRPO: the LR scheduler steps per optimizer step, and the warmup factor is
 (s + 1) / warmup, so the first step does not run at LR 0 (`build.lr_factor`); loss aggregation is
 exact across micro-batches and ranks in every mode, where the original's depends on the
-micro-batch split (docs/guided_grpo.md, 'Known bugs of the original').
+micro-batch split (docs/guided_grpo.md#bug-lr-per-step, #bug-seq-mean).
 """
 
 from __future__ import annotations

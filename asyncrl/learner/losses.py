@@ -10,12 +10,12 @@ correction reweights for pi_prox != mu (off-policy lag and engine/learner numeri
 1. anchor = pi_prox (mode `bypass`: anchor = mu, no recompute needed); log-ratio
    l_t = logp_t - anchor_t; `gspo`: l_t = s_i, the masked mean of the sequence's log-ratios;
    `gspo_token`: l_t = sg(s_i) + logp_t - sg(logp_t).
-2. `ppo` / `gspo` / `gspo_token` (the original's `default`; docs/guided_grpo.md, 'Policy loss'):
+2. `ppo` / `gspo` / `gspo_token` (the original's `default`; docs/guided_grpo.md#algorithms):
    ratio = e^clamp(l, -20, 20), cratio = e^clamp(l, ln(1 - eps_low), ln(1 + eps_high)),
    L = max(-A ratio, -A cratio), and for A < 0 the dual clip L = min(L, -A c).
    `cispo`: L = -A sg(clamp(ratio, 1 - cispo_eps_low, 1 + cispo_eps_high)) logp_t with
    `cispo_eps_low = None` meaning no lower bound, as the CISPO paper means it (the original's
-   recipe, clip_ratio_low = 0, raised every weight below 1 to 1; docs/guided_grpo.md, 'Known bugs of the original').
+   recipe, clip_ratio_low = 0, raised every weight below 1 to 1; docs/guided_grpo.md#bug-cispo-clip).
 3. correction weight w (detached, `off_policy_weights`) of r = pi_prox/mu, multiplied into L:
    `none` / `bypass` w = 1; `tis` w = min(r, cap); `mis` (masked importance sampling, as TRL's
    `token_mask` and AReaL's `mask`) w = r 1[low <= r <= high]; `rs` (rejection only, verl's

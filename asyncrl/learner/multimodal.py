@@ -14,8 +14,7 @@ positions (real tokens counted: exactly `collate`'s `position_ids`), rows 1-3 th
 prompt + response, so both train scopes (final_turn: last prompt + last turn; full_turn: first
 prompt + every turn and user turn) get the positions vLLM used when it sampled each token.
 Departs from Guided-GRPO, which trains multi-turn VL samples with plain 1-D positions (biased
-ratios for Qwen3-VL, a crash for Qwen2/2.5-VL; docs/guided_grpo.md, 'Known bugs of the
-original') and silently pads/truncates image features when their count differs from the image
+ratios for Qwen3-VL, a crash for Qwen2/2.5-VL; docs/guided_grpo.md#bug-vl-positions) and silently pads/truncates image features when their count differs from the image
 tokens; here such a mismatch raises `ImageTokenMismatch` before the forward.
 
 Sampling bans the image/video placeholder tokens (`vision_logit_bias`, as the original's

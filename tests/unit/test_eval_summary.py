@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.eval import combine, summarize
-from asyncrl.trainer import _merge_mode, print_summary
+from asyncrl.eval import combine, merge_mode, print_summary, summarize
 
 
 class CharTokenizer:  # stand-in: one token per character
@@ -50,7 +49,7 @@ def test_merged_shards_recompute_the_standard_error_and_sum_the_breakdown():
     tok = CharTokenizer()
     a = summarize(CONVS[:2], ROWS[:2], tok, "arith", "guided")  # acc 0.5, n 2, SE sqrt(.25/2) = 0.3536
     b = summarize(CONVS[2:], ROWS[2:], tok, "arith", "guided")  # acc 1.0, n 2, SE 0
-    merged = _merge_mode([a, b])
+    merged = merge_mode([a, b])
     assert merged["n"] == 4 and merged["accuracy"] == pytest.approx(0.75)
     # not the mean of the shard SEs ((0.3536 + 0) / 2 = 0.1768): sqrt(0.75 * 0.25 / 4) = 0.2165
     assert merged["accuracy_se"] == pytest.approx(0.2165, abs=1e-4)

@@ -1,0 +1,221 @@
+"""The components of a running job: `build_topology` starts them, `Topology` holds them.
+
+Read `build_topology` top to bottom to see every component of a job and the order they start in:
+data, coordinator, replay buffer, verifier service, learner group, weight sender, rollout fleet
+(and, on resume, a first weight broadcast). Each step is timed and a step that cannot start fails
+the launch with its name (asyncrl.startup.StartupError), with everything already started torn
+down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
+to a buffer that is gone). `describe_failure` names the component behind an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.config import Config
+from asyncrl.startup import StartupError, say, step_timer
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.serve.handle import DeploymentHandle
+    from ray.types import ObjectRef
+
+    from asyncrl.actors.fleet import RolloutFleet
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.weights.store import WeightStoreHandle
+
+
+@dataclass
+class Topology:
+    """One field per role, each `None` until its start-up step ran (and again after shutdown)."""
+
+    cfg: Config
+    run_dir: Path
+    namespace: str
+    coordinator: ActorHandle | None = None  # the data cursor, admission of prompts, ctl's mailbox
+    rows_ref: ObjectRef | None = None  # the training rows in the object store (the coordinator's constructor argument)
+    buffer: ActorHandle | None = None  # BufferHost: the replay buffer's ZeroMQ server
+    buffer_address: str = ""
+    verifier: DeploymentHandle | None = None  # the Ray Serve verifier application
+    learner: LearnerGroup | None = None
+    weight_store: WeightStoreHandle | None = None  # the published copy for late joiners, owned by the job
+    weight_address: str = ""  # the learner's weight rendezvous (changes when the learner is rebuilt)
+    fleet: RolloutFleet | None = None
+    hosts: dict[str, str] = field(default_factory=dict)  # component -> node address (error messages)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.fleet is not None:
+            self.fleet.shutdown()
+        if self.learner is not None:
+            self.learner.shutdown()
+            self.learner = None
+        if self.weight_store is not None:
+            self.weight_store.shutdown()
+            self.weight_store = None
+        if self.verifier is not None:
+            try:
+                from ray import serve
+
+                serve.shutdown()
+            except Exception:  # noqa: BLE001 - tearing down
+                pass
+            self.verifier = None
+        if self.buffer is not None:
+            try:
+                ray.get(self.buffer.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - tearing down
+                pass
+            ray.kill(self.buffer)
+            self.buffer = None
+        if self.coordinator is not None:
+            ray.kill(self.coordinator)
+            self.coordinator = None
+
+
+def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
+    """Every component of a job, in start order. Each step is timed and fails with its name."""
+    import ray
+
+    from asyncrl.actors.fleet import RolloutFleet
+    from asyncrl.actors.rollout import make_rollout_actor_class
+    from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
+    from asyncrl.data import load_training_rows
+    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.replay.host import BufferHost
+    from asyncrl.serve.deploy import deploy_verifier
+    from asyncrl.weights.store import start_weight_store
+
+    namespace = ray.get_runtime_context().namespace
+    topo = Topology(cfg, run_dir, namespace)
+    timeout = cfg.cluster.startup_timeout_s
+    try:
+        with step_timer("data"):
+            rows = load_training_rows(cfg)
+            cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
+        # Stateful services survive their own death: Ray restarts them (and retries the calls made
+        # to them); each reads its state back from `state/` (on the driver's node, where they run).
+        state_dir = run_dir / "state"
+        state_dir.mkdir(exist_ok=True)
+        restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
+                        scheduling_strategy=_on_this_node())
+        with step_timer("coordinator"):
+            # held by the driver for the job's life: a restarted coordinator is built from it again
+            topo.rows_ref = ray.put(rows)
+            topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
+                name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
+                resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
+                topo.rows_ref, cfg.data.model_dump_json(),
+                stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
+                buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
+            topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
+        with step_timer("replay buffer"):
+            topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
+                cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
+            topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+            topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
+            say(f"  replay buffer listening at {topo.buffer_address}")
+            snap = resume / "buffer" / "groups.snapshot" if resume else None
+            if snap is not None and snap.exists():
+                restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
+                say(f"  buffer restored from {snap}: {restored} group(s)")
+        with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
+            topo.verifier = deploy_verifier(cfg)
+            if cfg.rollout.guide.enable:
+                probe_verifier(cfg)
+        with step_timer("weight store"):
+            topo.weight_store = start_weight_store(namespace)
+        with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
+            topo.learner = LearnerGroup(cfg)
+            if resume:
+                topo.learner.load_checkpoint(str(resume))
+            version = topo.learner.version
+            ray.get(topo.coordinator.set_version.remote(version))
+            ray.get(topo.buffer.set_version.remote(version))
+        with step_timer("weight sender (learner rank 0)"):
+            topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
+            say(f"  weight rendezvous at {topo.weight_address}")
+        with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
+            topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address=topo.buffer_address,
+                                      namespace=namespace, coordinator=topo.coordinator, buffer=topo.buffer,
+                                      learner=topo.learner)
+            topo.fleet.start(cfg.rollout.num_actors, timeout)
+        if version > 0:
+            with step_timer(f"weight group (resumed at v{version}: first broadcast)"):
+                topo.fleet.sync_weights(topo.weight_address)
+    except BaseException:
+        topo.shutdown()
+        raise
+    return topo
+
+
+def _on_this_node() -> Any:
+    """Scheduling on the driver's node, not elsewhere: the stateful services keep their durable
+    state on its local disk, so a restart must come back there (and on the same address)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def probe_verifier(cfg: Config) -> None:
+    """One real request through the service before anything trains, so an unreachable HTTP
+    verifier (or a broken model) fails the launch with its error instead of every conversation."""
+    import asyncio
+
+    from asyncrl.actors.guided import render_verifier_messages
+    from asyncrl.serve.client import VerifierClient
+
+    client = VerifierClient(cfg.verifier, app_name="verifier")
+    messages = render_verifier_messages("1 + 1", "2", ["1 + 1 = 2\n<answer>\\boxed{2}</answer>"],
+                                        cfg.rollout.guide.prompt_template)
+    result = asyncio.run(client.chat(messages, max_tokens=16, temperature=0.0, top_p=1.0))
+    if not result.ok:
+        where = cfg.verifier.http.base_url if cfg.verifier.backend == "http" else cfg.verifier.backend
+        raise StartupError(f"the verifier ({where}) did not answer a probe request: {result.error}")
+
+
+def describe_failure(topo: Topology, exc: BaseException) -> tuple[str, str, str]:
+    """(component, host, reason) of the failure behind `exc`: the Ray actor that died, named by
+    its role in the job, or the driver itself."""
+    import ray
+
+    dead = getattr(exc, "actor_id", None) if isinstance(exc, ray.exceptions.RayActorError) else None
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if dead:
+        roles: dict[str, tuple[str, str]] = {}
+        for name, handle, host_key in (("the replay buffer (BufferHost)", topo.buffer, "buffer"),
+                                       ("the coordinator", topo.coordinator, "coordinator")):
+            if handle is not None:
+                roles[handle._actor_id.hex()] = (name, topo.hosts.get(host_key, "?"))
+        if topo.learner is not None:
+            for r, a in enumerate(topo.learner.actors):
+                hosts = getattr(topo.learner, "hosts", [])
+                roles[a._actor_id.hex()] = (f"learner rank {r}", hosts[r] if r < len(hosts) else "?")
+        for aid, a in (topo.fleet.actors if topo.fleet is not None else {}).items():
+            roles[a._actor_id.hex()] = (f"rollout actor {aid}", "?")
+        name, host = roles.get(str(dead), (f"Ray actor {dead}", "?"))
+        return name, host, reason
+    # Seen first by the driver (e.g. a buffer request timed out): which service is gone, if any?
+    probes = []  # (component, the remote method that answers while it lives, host)
+    if topo.buffer is not None:
+        probes.append(("the replay buffer (BufferHost)", topo.buffer.where, topo.hosts.get("buffer", "?")))
+    if topo.coordinator is not None:
+        probes.append(("the coordinator", topo.coordinator.where, topo.hosts.get("coordinator", "?")))
+    if topo.learner is not None:
+        hosts = getattr(topo.learner, "hosts", [])
+        probes += [(f"learner rank {r}", a.node_address, hosts[r] if r < len(hosts) else "?")
+                   for r, a in enumerate(topo.learner.actors)]
+    for name, method, host in probes:
+        try:
+            ray.get(method.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return name, host, f"{reason}; the process is gone"
+        except Exception:  # noqa: BLE001 - slow to answer is not dead
+            continue
+    return "the trainer (driver)", os.uname().nodename, reason
