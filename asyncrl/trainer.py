@@ -391,7 +391,11 @@ class Trainer:
         restarts = int(m.get("buffer/restarts", 0))
         if restarts > self._seen["buffer/restarts"]:
             self._seen["buffer/restarts"] = restarts
-            lost = ray.get(topo.coordinator.reissue_lost.remote(ray.get(topo.buffer.prompt_indices.remote())))
+            # groups learner rank 0 prefetched are held, not lost (asked before and after the
+            # buffer, so that a prefetch answered in between is seen in one of the two)
+            held = topo.learner.held_prompts()
+            present = held + ray.get(topo.buffer.prompt_indices.remote()) + topo.learner.held_prompts()
+            lost = ray.get(topo.coordinator.reissue_lost.remote(present))
             say(f"the replay buffer (BufferHost) on {topo.hosts.get('buffer', '?')} died and was restarted by Ray "
                 f"at {topo.buffer_address} (restart {restarts}): recovering; "
                 f"{int(m.get('buffer/recovered_groups', 0))} group(s) recovered from its durable log, "

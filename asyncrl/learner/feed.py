@@ -101,16 +101,18 @@ class BatchFeed:
         """Metadata of the groups newly fetched for `version` (at most num_groups from the buffer in
         this call; fewer, maybe none, at timeout_s). A prefetch for `version` is waited for first
         (up to timeout_s) and its groups are reported instead of asking the buffer again."""
-        if self._prefetch is not None:
+        if self._prefetch_version is not None:  # a prefetch was made ahead for this version
             if version != self._prefetch_version:
                 raise RuntimeError(f"fetch for v{version} while the prefetch is for v{self._prefetch_version}")
             self.client.set_version(version)  # the learner reached `version`: admission advances now
+            self._prefetch_version = None
+        if self._prefetch is not None:
             self._prefetch.join(timeout_s)
             if self._prefetch.is_alive():
                 return self._report()  # still waiting for the rollouts: nothing new yet
             self._finish_prefetch()
-            if self._unreported:
-                return self._report()
+        if self._unreported:
+            return self._report()
         self._hold(self.client.get_batch_frames(num_groups, version, timeout_s=timeout_s))
         return self._report()
 
@@ -136,6 +138,13 @@ class BatchFeed:
             raise err
         frames, self._prefetched = self._prefetched, []
         self._hold(frames)
+
+    def held_prompts(self) -> list[int]:
+        """Prompt indices of the groups taken from the buffer and not trained yet (held here, or
+        brought by a finished prefetch): after a buffer restart they are not lost, only not there."""
+        if self._prefetch is not None and not self._prefetch.is_alive() and self._prefetch_error is None:
+            self._finish_prefetch()
+        return [int(g.metadata.get("prompt_index", -1)) for _, g in self._held.values()]
 
     def take(self, ids: list[int]) -> tuple[list[bytes], list[Group]]:
         """The step's batch: the held groups named by `ids`, in that order. Every other group held

@@ -111,6 +111,10 @@ class LearnerActor:
             self.feed.start_prefetch(*prefetch)
         return self.worker.train_step(groups)
 
+    def held_prompts(self) -> list[int]:
+        """Rank 0: prompt indices of the groups its feed took from the buffer and has not trained."""
+        return self.feed.held_prompts() if self.feed is not None else []
+
     def sample_records(self, limit: int) -> list[dict[str, Any]]:
         """Rank 0: up to `limit` decoded trajectories of its latest batch (JSON-ready, small)."""
         from asyncrl.learner.feed import sample_records
@@ -292,6 +296,12 @@ class LearnerGroup:
         metrics = ray.get(refs, timeout=timeout)
         self.version = int(metrics[0]["train/version"])
         return metrics[0]
+
+    def held_prompts(self) -> list[int]:
+        """Prompt indices of the groups rank 0 took from the buffer and has not trained (prefetched)."""
+        import ray
+
+        return ray.get(self.actors[0].held_prompts.remote(), timeout=self.cfg.learner.batch_timeout_s)
 
     def sample_records(self, limit: int) -> list[dict[str, Any]]:
         """Up to `limit` decoded trajectories of the latest trained batch (rank 0's, small JSON)."""
