@@ -17,6 +17,11 @@ Guarantees
   version range, sizes. Every failure raises ``ProtocolError`` whose message names the field and
   what was wrong; no other exception type escapes ``decode`` (a receiver only catches one).
 
+Codec accounting: every process counts the Group and Sample frames it encodes and decodes, and
+their bytes, in `CODEC_COUNTS` (a dict add per frame; `codec_counts()` reads a copy). The driver of
+a job reports its own bytes as ``perf/driver_bytes``, so a test can prove that sample arrays never
+pass through it.
+
 Schema evolution: new fields are added with defaults and ``SCHEMA_VERSION`` bumped; frames of any
 version in ``ACCEPTED_SCHEMAS`` decode (missing new fields take their defaults), unknown fields are
 rejected. This keeps e.g. multimodal fields (images, mRoPE position ids) an additive change.
@@ -172,11 +177,16 @@ class PushReply:
 
 @dataclass(slots=True)
 class BatchRequest:
-    """Learner asks for `num_groups` groups for its version `version` (which also sets the buffer's v).
-    The reply comes when that many are buffered, or at `timeout_s` with what there is (maybe none)."""
+    """Learner asks for `num_groups` groups to train at version `version`, which also sets the
+    buffer's v to `version - ahead`. The reply comes when that many are buffered, or at `timeout_s`
+    with what there is (maybe none)."""
     num_groups: int = 1
     version: int = 0
     timeout_s: float = 0.0
+    ahead: int = 0
+    """Steps the request is made before the learner reaches `version` (1: a prefetch sent while
+    step version-1 trains). Delivery obeys the staleness bound at `version`; admission counts from
+    `version - ahead`, so a prefetch admits no new work before the weights it will meet are out."""
 
 
 @dataclass(slots=True)
@@ -354,6 +364,17 @@ def _pack(obj: Any, parts: list[Any]) -> None:
         parts.append(_packb(obj))
 
 
+# Per-process counts of the sample-carrying frames through this process's codec (see the module
+# docstring); control messages are not counted.
+CODEC_COUNTS: dict[str, int] = {"encoded_frames": 0, "encoded_bytes": 0, "decoded_frames": 0, "decoded_bytes": 0}
+_COUNTED = frozenset({"Group", "Sample"})
+
+
+def codec_counts() -> dict[str, int]:
+    """A copy of this process's `CODEC_COUNTS` (Group/Sample frames and bytes encoded and decoded)."""
+    return dict(CODEC_COUNTS)
+
+
 def encode(msg: Any) -> bytes:
     """One frame for any message in MESSAGE_TYPES (Group, Sample and the control messages)."""
     name = type(msg).__name__
@@ -361,7 +382,11 @@ def encode(msg: Any) -> bytes:
         raise TypeError(f"cannot encode {type(msg)!r}: not a protocol message")
     parts: list[Any] = [b"\x83", _key("schema"), _packb(SCHEMA_VERSION), _key("type"), _key(name), _key("body")]
     _pack(msg, parts)
-    return b"".join(parts)
+    frame = b"".join(parts)
+    if name in _COUNTED:
+        CODEC_COUNTS["encoded_frames"] += 1
+        CODEC_COUNTS["encoded_bytes"] += len(frame)
+    return frame
 
 
 # --------------------------------------------------------------------------------------- decode
@@ -407,7 +432,7 @@ _SCALARS: dict[str, type | tuple[type, ...]] = {
     "actor_id": str, "metadata": dict, "reward_parts": dict, "samples": list, "ticket": int,
     "timeout_s": (int, float), "status": str, "detail": str, "num_groups": int, "version": int,
     "dropped_stale": int, "stats": dict, "path": str, "code": str, "message": str, "want_ticket": bool,
-    "next_ticket": int,
+    "next_ticket": int, "ahead": int,
 }
 
 
@@ -558,6 +583,9 @@ def decode(frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTE
     cls = MESSAGE_TYPES.get(top["type"]) if isinstance(top["type"], str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {top['type']!r}")
+    if top["type"] in _COUNTED:
+        CODEC_COUNTS["decoded_frames"] += 1
+        CODEC_COUNTS["decoded_bytes"] += len(frame)
     try:
         return _build(cls, top["body"], cls.__name__)
     except ProtocolError:

@@ -1,12 +1,15 @@
 """The learner-paced training loop of a running job (its components: asyncrl.topology).
 
-Per step: the learner takes a batch of B groups for its version from the replay buffer (waiting is
-`perf/learner_idle_ratio`), trains, bumps the version and the rollout fleet takes the new weights
+Per step: learner rank 0 takes a batch of B groups for its version from the replay buffer itself
+(asyncrl.learner.feed; waiting is `perf/learner_idle_ratio`) and the driver gets only their
+metadata (prompt indices, versions, rewards, token counts: no sample bytes, `perf/driver_bytes`);
+the learner trains, bumps the version and the rollout fleet takes the new weights
 (asyncrl.actors.fleet.RolloutFleet.sync_weights, `perf/weight_sync_s`); then metrics from every
 part are logged under one step, control commands from `asyncrl.ctl` are executed (`ctl_handlers`),
 the fleet heals its dead actors, and checkpoints/evaluations happen on their schedule. A dead
 learner rank is rebuilt in the job from the newest checkpoint (`recover_learner`); any other
-death ends the job with a checkpoint (`on_failure`). The fleet is never paused for the learner.
+death ends the job with a checkpoint (`on_failure`). The fleet is never paused for the learner:
+it is paced only by the buffer's admission tickets (staleness bound).
 """
 
 from __future__ import annotations
@@ -124,61 +127,59 @@ class Trainer:
         self.buffer_client.close()
 
     _stop_requested_by_ctl = False
-    _last_groups: list[Any] = []
+    _last_metas: list[dict[str, Any]] = []  # of the latest trained batch (learner.feed.group_meta)
+    _driver_bytes_seen = 0  # Group/Sample bytes through this process's codec, at the previous step
 
     def dump_samples(self, tag: str) -> None:
-        """A few decoded trajectories of the latest trained batch, for a person to read."""
-        out = []
-        lags = getattr(self, "_last_lags", [None] * len(self._last_groups))
-        for g, lag in zip(self._last_groups, lags, strict=False):
-            for smp in g.samples:
-                meta = smp.metadata
-                out.append({"prompt_uid": smp.prompt_uid, "reward": smp.reward, "reward_parts": smp.reward_parts,
-                            "num_turns": smp.num_turns, "finish_reason": smp.finish_reason,
-                            "verifier_version": smp.verifier_version, "min_version": g.min_version,
-                            "version_lag": lag, "turn_versions": meta.get("turn_versions"),
-                            "hallucination_scores": meta.get("hallucination_scores"),
-                            "messages": meta.get("messages"), "verifier_texts": meta.get("verifier_texts")})
-                if len(out) >= self.cfg.trainer.samples_per_eval:
-                    break
-            if len(out) >= self.cfg.trainer.samples_per_eval:
-                break
+        """A few decoded trajectories of the latest trained batch, for a person to read (asked of
+        learner rank 0, which holds the batch: a little JSON, not the sample arrays)."""
+        if not self._last_metas:
+            return
+        out = self.topo.learner.sample_records(self.cfg.trainer.samples_per_eval)
+        version = getattr(self, "_last_batch_version", None)
+        for rec in out:
+            rec["version_lag"] = None if version is None else version - int(rec["min_version"])
         if out:
             (self.run_dir / "samples" / f"train_{tag}.json").write_text(json.dumps(out, indent=2, default=str))
 
     def train_one_step(self) -> dict[str, Any] | None:
         import ray
 
+        from asyncrl.protocol import codec_counts
+
         cfg, topo = self.cfg, self.topo
         t0 = time.time()
-        groups = self._get_batch(cfg.data.rollout_batch_size, cfg.learner.batch_timeout_s)
+        metas = self._get_batch(cfg.data.rollout_batch_size, cfg.learner.batch_timeout_s)
         t_batch = time.time()
-        if not groups:  # stopping while waiting: nothing taken from the buffer, nothing to train
+        if not metas:  # stopping while waiting: nothing taken from the buffer, nothing to train
             return None
-        self._last_groups = groups
-        self._taken = groups  # taken from the buffer, not trained yet (re-issued if the learner dies now)
+        self._last_metas = metas
+        self._taken = metas  # taken from the buffer, not trained yet (re-issued if the learner dies now)
         # (a partial batch only happens while stopping: it is trained rather than lost)
-        lags = [self.version - g.min_version for g in groups]
-        self._last_lags = lags
-        learner_metrics = topo.learner.step(groups)
+        lags = [self.version - m["min_version"] for m in metas]
+        self._last_batch_version = self.version
+        last = self.step + 1 >= cfg.trainer.max_steps or self.stop.requested or self._stop_requested_by_ctl
+        prefetch = (None if last or not cfg.learner.prefetch else
+                    (cfg.data.rollout_batch_size, self.version + 1, min(cfg.learner.batch_timeout_s, 30.0)))
+        learner_metrics = topo.learner.train_fetched([m["id"] for m in metas], prefetch)
         t1 = time.time()
         # Trained from here on: if the step fails before its row is logged, the error path logs it
         # (the learner's state includes it) and no checkpoint may list these prompts as pending.
-        for g in groups:
-            self._trained_recent[int(g.metadata.get("prompt_index", -1))] = None
-        self._pending_row = {**learner_metrics, **_batch_metrics(groups, lags, cfg.buffer.max_staleness)}
+        for m in metas:
+            self._trained_recent[m["prompt_index"]] = None
+        self._pending_row = {**learner_metrics, **_batch_metrics(metas, lags, cfg.buffer.max_staleness)}
         self.version = int(learner_metrics.get("train/version", self.version + 1))
         self.fleet.heal()  # a dead engine found now is withdrawn before the broadcast waits for it
         sync = self.fleet.sync_weights(topo.weight_address)
         t2 = time.time()
-        trained = [int(g.metadata.get("prompt_index", -1)) for g in groups]
+        trained = [m["prompt_index"] for m in metas]
         while len(self._trained_recent) > 8192:
             self._trained_recent.pop(next(iter(self._trained_recent)))
         coord = ray.get(topo.coordinator.set_version.remote(self.version, [i for i in trained if i >= 0]))
         self._taken = []
         wait_s = t_batch - t0
         step_s = t2 - t0
-        tokens = int(sum(int(s.response_mask.sum()) for g in groups for s in g.samples))
+        tokens = int(sum(sum(m["tokens"]) for m in metas))
         self.totals["learner_wait_s"] += wait_s
         self.totals["train_s"] += t1 - t_batch
         self.totals["sync_s"] += t2 - t1
@@ -186,10 +187,12 @@ class Trainer:
         metrics = dict(learner_metrics)
         metrics.update(ray.get(topo.buffer.stats.remote()))
         metrics.update(self._recovery_checks(metrics, coord or {}))
-        metrics.update(self._length_metrics(groups))
+        metrics.update(self._length_metrics(metas))
         metrics.update(self.fleet.stats())
-        metrics.update(_batch_metrics(groups, lags, cfg.buffer.max_staleness))
+        metrics.update(_batch_metrics(metas, lags, cfg.buffer.max_staleness))
         report = sync.get("report") or {}
+        codec = codec_counts()  # sample bytes encoded or decoded by this (driver) process: 0 by design
+        driver_bytes = codec["encoded_bytes"] + codec["decoded_bytes"]
         metrics.update({
             "perf/step_s": step_s,
             "perf/batch_wait_s": wait_s,
@@ -199,36 +202,42 @@ class Trainer:
             "perf/learner_idle_ratio": min(1.0, wait_s / max(step_s, 1e-9)),
             "perf/train_tokens": tokens,
             "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+            "perf/batch_bytes": float(sum(m["bytes"] for m in metas)),
+            "perf/driver_bytes": float(driver_bytes - self._driver_bytes_seen),
             "perf/rollout_actors": len(self.fleet),
             "perf/weight_sync_dropped": len(sync.get("dropped", [])),
             # parameters whose sampled fingerprint differed after a load (each was re-fed from the store)
             "weights/fingerprint_mismatch": sum(int(r.get("fingerprint_mismatch") or 0)
                                                 for r in (sync.get("actors") or {}).values() if isinstance(r, dict)),
         })
+        self._driver_bytes_seen = driver_bytes
         for aid in sync.get("dropped", []):
             say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")
         self._pending_row = None
         return metrics
 
-    def _get_batch(self, num_groups: int, timeout_s: float) -> list[Any]:
-        """Exactly `num_groups` groups for the current version (the buffer may answer with fewer
-        when its wait times out; keep asking until the deadline, then fail with a message)."""
-        groups: list[Any] = []
+    def _get_batch(self, num_groups: int, timeout_s: float) -> list[dict[str, Any]]:
+        """Metadata of exactly `num_groups` groups for the current version, fetched by learner rank 0
+        (the buffer may answer with fewer when its wait times out; keep asking until the deadline,
+        then fail with a message). Groups of prompts trained lately (re-delivered across a buffer
+        restart) are left out: rank 0 drops every fetched group the step does not name."""
+        metas: list[dict[str, Any]] = []
         deadline = time.time() + timeout_s
-        while len(groups) < num_groups:
+        address = self.topo.buffer_address
+        while len(metas) < num_groups:
             left = deadline - time.time()
             if left <= 0 or self.stop.requested:
                 break
-            got = self.buffer_client.get_batch(num_groups - len(groups), self.version, timeout_s=min(left, 30.0))
-            fresh = [g for g in got if int(g.metadata.get("prompt_index", -1)) not in self._trained_recent]
+            got = self.topo.learner.fetch(address, num_groups - len(metas), self.version, min(left, 30.0))
+            fresh = [m for m in got if m["prompt_index"] not in self._trained_recent]
             self.duplicates_dropped += len(got) - len(fresh)  # re-delivered across a buffer restart
-            groups += fresh
-            if len(groups) < num_groups:
+            metas += fresh
+            if len(metas) < num_groups:
                 self.fleet.heal()
-        if len(groups) < num_groups and not self.stop.requested:
-            raise RuntimeError(f"the learner got {len(groups)}/{num_groups} groups in learner.batch_timeout_s="
+        if len(metas) < num_groups and not self.stop.requested:
+            raise RuntimeError(f"the learner got {len(metas)}/{num_groups} groups in learner.batch_timeout_s="
                                f"{timeout_s:.0f}s: is the rollout fleet alive? (asyncrl.ctl status)")
-        return groups
+        return metas
 
     def _publish_status(self, m: dict[str, Any]) -> None:
         """What `asyncrl.ctl status` prints: held by the coordinator (`--live`) and written to
@@ -276,7 +285,11 @@ class Trainer:
         restarts = int(m.get("buffer/restarts", 0))
         if restarts > self._seen["buffer/restarts"]:
             self._seen["buffer/restarts"] = restarts
-            lost = ray.get(topo.coordinator.reissue_lost.remote(ray.get(topo.buffer.prompt_indices.remote())))
+            # groups learner rank 0 prefetched are held, not lost (asked before and after the
+            # buffer, so that a prefetch answered in between is seen in one of the two)
+            held = topo.learner.held_prompts()
+            present = held + ray.get(topo.buffer.prompt_indices.remote()) + topo.learner.held_prompts()
+            lost = ray.get(topo.coordinator.reissue_lost.remote(present))
             say(f"the replay buffer (BufferHost) on {topo.hosts.get('buffer', '?')} died and was restarted by Ray "
                 f"at {topo.buffer_address} (restart {restarts}): recovering; "
                 f"{int(m.get('buffer/recovered_groups', 0))} group(s) recovered from its durable log, "
@@ -295,14 +308,13 @@ class Trainer:
         out["train/duplicates_dropped"] = float(self.duplicates_dropped)
         return out
 
-    def _length_metrics(self, groups: list[Any]) -> dict[str, Any]:
+    def _length_metrics(self, metas: list[dict[str, Any]]) -> dict[str, Any]:
         """Length (mean policy tokens per sample) of trained vs stale-dropped groups, over the run:
         a drop policy that favours short prompts shows up as dropped lengths above trained ones."""
         import numpy as np
 
-        for g in groups:
-            n = len(g.samples) or 1
-            self._lengths["trained"].append(sum(float(np.asarray(s.response_mask).sum()) for s in g.samples) / n)
+        for m in metas:
+            self._lengths["trained"].append(sum(m["tokens"]) / (len(m["tokens"]) or 1))
         out: dict[str, Any] = {}
         for kind, prefix in (("trained", "train/group_len"), ("dropped", "buffer/dropped_len")):
             values = self._lengths[kind][-20000:]
@@ -313,7 +325,7 @@ class Trainer:
             out[f"{prefix}_count"] = float(len(values))
         return out
 
-    _taken: list[Any] = []
+    _taken: list[dict[str, Any]] = []  # metadata of the groups of the step in progress
     _learner_recoveries = 0
     _pending_row: dict[str, Any] | None = None
 
@@ -349,11 +361,14 @@ class Trainer:
             say(f"the learner group could not be rebuilt in this job ({type(exc2).__name__}: {exc2})")
             raise exc2 from exc
         redo = [int(i) for r in self.logger.rows if int(r.get("step", 0)) > k for i in r.get("train/prompt_indices", [])]
-        redo += [int(g.metadata.get("prompt_index", -1)) for g in self._taken]
+        redo += [m["prompt_index"] for m in self._taken]
         redo = [i for i in redo if i >= 0]
         for i in redo:
             self._trained_recent.pop(i, None)
         ray.get(topo.coordinator.untrain.remote(redo))
+        # groups the dead rank 0 had fetched (or prefetched) and not trained: neither in the
+        # buffer nor trained, so the coordinator issues their prompts again
+        redo += ray.get(topo.coordinator.reissue_lost.remote(ray.get(topo.buffer.prompt_indices.remote())))
         ray.get(topo.coordinator.set_version.remote(label))
         ray.get(topo.buffer.set_version.remote(label))
         self.logger.rows = [r for r in self.logger.rows if int(r.get("step", 0)) <= k]
@@ -542,27 +557,29 @@ class Trainer:
             say(f"report not written: {type(exc).__name__}: {exc}")
 
 
-def _batch_metrics(groups: list[Any], lags: list[int], max_staleness: int) -> dict[str, Any]:
-    """What the learner trained on this step: rewards by part, staleness of its groups."""
-    samples = [s for g in groups for s in g.samples]
-    out: dict[str, Any] = {"train/groups": len(groups), "train/samples": len(samples)}
-    if not samples:
+def _batch_metrics(metas: list[dict[str, Any]], lags: list[int], max_staleness: int) -> dict[str, Any]:
+    """What the learner trained on this step (from the groups' metadata, `learner.feed.group_meta`):
+    rewards by part, staleness of its groups."""
+    n = sum(len(m["rewards"]) for m in metas)
+    out: dict[str, Any] = {"train/groups": len(metas), "train/samples": n}
+    if not n:
         return out
     parts: dict[str, list[float]] = {}
-    for s in samples:
-        for k, v in s.reward_parts.items():
-            parts.setdefault(k, []).append(float(v))
+    for m in metas:
+        for rp in m["reward_parts"]:
+            for k, v in rp.items():
+                parts.setdefault(k, []).append(float(v))
     for k, vs in parts.items():
         out[f"reward/{k}"] = sum(vs) / len(vs)
-    out["train/reward_mean"] = sum(s.reward for s in samples) / len(samples)
-    out["train/turns_mean"] = sum(s.num_turns for s in samples) / len(samples)
+    out["train/reward_mean"] = sum(r for m in metas for r in m["rewards"]) / n
+    out["train/turns_mean"] = sum(t for m in metas for t in m["num_turns"]) / n
     hist = [0] * (max(max(lags, default=0), max_staleness) + 1)
     for lag in lags:
         hist[lag] += 1
     out["buffer/staleness_hist"] = hist
     out["buffer/staleness_mean"] = sum(lags) / max(len(lags), 1)
     out["buffer/staleness_max"] = max(lags, default=0)
-    versions = sorted({s.verifier_version for s in samples})
+    versions = sorted({v for m in metas for v in m["verifier_versions"]})
     out["verifier/versions_in_batch"] = ",".join(versions)
-    out["train/prompt_indices"] = sorted(int(g.metadata.get("prompt_index", -1)) for g in groups)
+    out["train/prompt_indices"] = sorted(m["prompt_index"] for m in metas)
     return out

@@ -3,7 +3,8 @@
 Loop (DESIGN.md §5): admission ticket from the buffer → a prompt from the coordinator → the `n`
 guided conversations of the group, concurrently (asyncrl.actors.guided; verifier through the
 service client) → rewards (off the event loop) → training samples for the configured
-`train_scope` → push the group (acknowledged by the buffer) → mark the prompt done.
+`train_scope` → push the group (acknowledged by the buffer; the pushes of concurrent groups are
+pipelined through a `replay.PushWindow` of `buffer.push_window`) → mark the prompt done.
 Up to `rollout.groups_in_flight` groups run at once, so the engine batches across groups.
 
 Guarantees
@@ -46,6 +47,7 @@ class RolloutWorker:
         self.namespace = namespace
         self.engine: Any = None
         self.vl: Any = None  # group.VLContext for a vision-language policy (set by start)
+        self.pushes: Any = None  # replay.PushWindow (set by start)
         self._zmq = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")  # zmq sockets: one thread
         self._running = False
         self._tasks: set[asyncio.Task] = set()
@@ -72,7 +74,7 @@ class RolloutWorker:
 
         from asyncrl.actors.engine import PolicyEngine
         from asyncrl.actors.guided import PolicyChat
-        from asyncrl.replay import BufferClient
+        from asyncrl.replay import BufferClient, PushWindow
         from asyncrl.rewards import load_reward
         from asyncrl.serve.client import VerifierClient
 
@@ -84,6 +86,10 @@ class RolloutWorker:
         self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
         self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
                                    actor_id=self.actor_id)
+        if self.pushes is not None:
+            self.pushes.close()
+        # pushes of concurrent groups overlap on the wire; each group still awaits its own ack
+        self.pushes = PushWindow(self.buffer, cfg.buffer.push_window)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
@@ -216,7 +222,7 @@ class RolloutWorker:
                                          actor_id=self.actor_id, verifier=self.verifier,
                                          **({"vp": vp} if vp is not None else {}))
             self._account(group, convs)
-            await self._zmq_call(self.buffer.push, group, ticket)
+            await asyncio.wrap_future(self.pushes.submit(group, ticket))
             pushed = True
             self._stats["groups_pushed"] += 1
             await self.coordinator.complete.remote(prompt["index"])
@@ -365,6 +371,8 @@ class RolloutWorker:
         await self._drain(timeout_s=5)
         if self.engine is not None:
             self.engine.shutdown()
+        if self.pushes is not None:
+            self.pushes.close()
         self._zmq.shutdown(wait=False)
 
 

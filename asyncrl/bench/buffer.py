@@ -12,7 +12,10 @@ masks and per-token versions; ~0.3 MB each). Measured in one run, each in its ow
   ticket riding on the push's acknowledgement (one round trip per group when tickets are free). Full runs add `buffer_4_pushers` (4 threads pushing concurrently in one
   producer process) and `buffer_2_producers` (two producer processes). Latency = delivery time - the group's created_at
   (set just before the push), so it includes time spent waiting in the buffer.
-`buffer_durable` is the `buffer` path with the durable log on (`buffer.durable`, fsync before every
+`buffer_window` is the `buffer` path with pipelined pushes (`replay.PushWindow`, window
+`max(2, buffer.push_window)`: that many pushes unacknowledged at once; `window_ratio` = its groups/s /
+the `buffer` path's). The learner side of every buffer path takes raw frames and decodes them once,
+as learner rank 0 does in a job. `buffer_durable` is the `buffer` path with the durable log on (`buffer.durable`, fsync before every
 acknowledgement; a full run adds `buffer_durable_fsync_never`), the log in a temporary directory on
 local disk; `durable_ratio` = its groups/s / the `buffer` path's, both from the same rounds.
 `ratio` = buffer groups/s / bare groups/s; MB/s counts the groups' array bytes (ids, masks,
@@ -113,16 +116,54 @@ def _serve(cfg_json: str, batch_size: int, address_q: Any, stop: Any, log_path: 
 
 
 def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: int, ready: Any,
-                     go: Any, stop: Any) -> None:
+                     go: Any, stop: Any, window: int = 0) -> None:
     """One producer process with `threads` concurrent pushers (an actor has many groups in flight);
-    each pusher until `stop`: ticket -> stamp the group with the version that came with it -> push."""
+    each pusher until `stop`: ticket -> stamp the group with the version that came with it -> push.
+    `window` > 0: one pusher keeps that many pushes in flight through a `PushWindow` (as a rollout
+    actor does), each acknowledgement bringing the ticket of a later group."""
     import threading
+    from collections import deque
 
     from asyncrl.replay.client import BufferClient
     from asyncrl.replay.synthetic import restamp
+    from asyncrl.replay.window import PushWindow
 
     pools = [_pool(PAYLOAD_SEED, 8, *tokens) for _ in range(threads)]  # the same groups as the bare pair
     errors: list[BaseException] = []
+
+    def windowed(t: int) -> None:
+        pushes = PushWindow(client, window)
+        try:
+            i, spare, pending, version = 0, [], deque(), 0
+            while not stop.is_set() or pending:
+                while not stop.is_set() and len(pending) < window:
+                    if spare:
+                        ticket = spare.pop()
+                    else:
+                        ticket = client.acquire_ticket(timeout_s=0.0 if pending else 0.5)
+                        version = max(version, client.version or 0)
+                    if ticket is None:
+                        break
+                    # the newest version the buffer reported (acks carry it too), as an engine would have
+                    group = restamp(pools[t][i % len(pools[t])], version)
+                    group.prompt_uid = f"{seed}-{t}-{i}"
+                    group.created_at = time.time()
+                    pending.append(pushes.submit(group, ticket, want_ticket=True))
+                    i += 1
+                if not pending:
+                    continue
+                reply = pending.popleft().result(timeout=120)
+                if reply.status not in ("stored", "stale"):
+                    raise RuntimeError(f"push answered {reply.status}")
+                version = max(version, reply.version)
+                if reply.next_ticket >= 0:
+                    spare.append(reply.next_ticket)
+            for ticket in spare:
+                client.release_ticket(ticket)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            pushes.close()
 
     def pusher(t: int) -> None:
         try:
@@ -149,7 +190,7 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
         client.stats()  # connected
         ready.release()
         go.wait(60)
-        workers = [threading.Thread(target=pusher, args=(t,)) for t in range(threads)]
+        workers = [threading.Thread(target=windowed if window else pusher, args=(t,)) for t in range(threads)]
         for w in workers:
             w.start()
         for w in workers:
@@ -159,10 +200,14 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
 
 
 def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int,
-                    tokens: tuple[int, int], threads: int = 1, fsync: str | None = None) -> dict[str, float]:
-    """`fsync`: with the durable log (that fsync policy), in a temporary directory; None: without."""
+                    tokens: tuple[int, int], threads: int = 1, fsync: str | None = None,
+                    window: int = 0) -> dict[str, float]:
+    """`fsync`: with the durable log (that fsync policy), in a temporary directory; None: without.
+    `window`: pipelined pushes (see `_buffer_producer`). The learner side is what learner rank 0
+    does: raw frames from the buffer (`get_batch_frames`), decoded once."""
     import tempfile
 
+    from asyncrl.protocol import decode
     from asyncrl.replay.client import BufferClient
 
     log_dir = tempfile.TemporaryDirectory(prefix="asyncrl-bench-wal-") if fsync else None
@@ -176,7 +221,8 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
     server.start()
     address = address_q.get(timeout=120)
     ready = spawn.Semaphore(0)
-    procs = [spawn.Process(target=_buffer_producer, args=(address, seed + i, tokens, threads, ready, go, stop_producers),
+    procs = [spawn.Process(target=_buffer_producer,
+                           args=(address, seed + i, tokens, threads, ready, go, stop_producers, window),
                            daemon=True) for i in range(producers)]
     for p in procs:
         p.start()
@@ -189,7 +235,7 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
     start = time.perf_counter()
     go.set()
     while got < n:  # producers run until the learner has taken n groups
-        batch = client.get_batch(batch_size, version, timeout_s=30.0)
+        batch = [decode(f) for f in client.get_batch_frames(batch_size, version, timeout_s=30.0)]
         now = time.time()
         if not batch:
             stats = {k: v for k, v in client.stats().items() if v}
@@ -255,6 +301,8 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "codec_pipe": lambda: _bare(n, 1, tokens, codec=True),
         "buffer": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1),
         "buffer_durable": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1, fsync="always"),
+        "buffer_window": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1,
+                                                 window=max(2, cfg.buffer.push_window)),
     }
     if not smoke:
         paths[f"buffer_{PUSHERS}_pushers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 2, tokens,
@@ -273,16 +321,20 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "durable_ratio": best["buffer_durable"]["groups_per_s"] / best["buffer"]["groups_per_s"],
         "durable_ratio_median": float(np.median([h["buffer_durable"]["groups_per_s"] / h["buffer"]["groups_per_s"]
                                                  for h in history])),
+        "window_ratio": best["buffer_window"]["groups_per_s"] / best["buffer"]["groups_per_s"],
         **best, "codec_1mb": codec, "rounds": history,
         "params": {"groups": n, "rounds": rounds, "samples_per_group": 8, "response_tokens": list(tokens),
                    "prompt_tokens": 256, "batch_size": batch_size, "max_staleness": cfg.buffer.max_staleness,
-                   "producers": 1, "hwm": cfg.buffer.hwm, "smoke": smoke},
+                   "producers": 1, "hwm": cfg.buffer.hwm, "push_window": max(2, cfg.buffer.push_window),
+                   "smoke": smoke},
     }
     rows = [("ratio (buffer / bare groups/s, best rounds)", result["ratio"]),
             ("ratio (median over rounds)", result["ratio_median"]), ("ratio vs codec pipe", result["ratio_vs_codec_pipe"]),
             ("durable log on / off groups/s (best | median)", f"{result['durable_ratio']:.3f} | "
-                                                              f"{result['durable_ratio_median']:.3f}")]
-    for name in ("bare", "codec_pipe", "buffer", "buffer_durable", "buffer_durable_fsync_never",
+                                                              f"{result['durable_ratio_median']:.3f}"),
+            (f"pipelined pushes (window {max(2, cfg.buffer.push_window)}) / one at a time groups/s",
+             result["window_ratio"])]
+    for name in ("bare", "codec_pipe", "buffer", "buffer_window", "buffer_durable", "buffer_durable_fsync_never",
                  f"buffer_{PUSHERS}_pushers", "buffer_2_producers"):
         if name in result:
             r = result[name]

@@ -7,7 +7,9 @@ generating while the learner trains, so a step costs about max(R, T)). From the 
 R is the learner's wait for its batch per step and T the train+sync time per step, giving the ideal
 speedup (R + T) / max(R, T); the measured speedup is the ratio of steady-state step rates.
 Also reported per run: trained tokens/s, steps/s, learner and rollout idle ratios, weight-sync
-seconds, the staleness histogram of trained groups, and reward per wall-clock second.
+seconds, the staleness histogram of trained groups, reward per wall-clock second, and the bytes
+per step of the batch (fetched by learner rank 0) and through the driver (`perf/driver_bytes`:
+sample bytes the driver process encoded or decoded; 0 on the straight data path).
 Steady state skips the first `--warmup` steps (engine warm-up, first admissions).
 """
 
@@ -68,6 +70,9 @@ def figures(rows: list[dict[str, Any]], warmup: int, *, max_staleness: int, roll
         "train_sync_s_per_step": step_s - wait, "learner_idle_ratio": mean("perf/learner_idle_ratio"),
         "rollout_idle_ratio": mean("perf/rollout_idle_ratio"), "weight_sync_s": mean("perf/weight_sync_s"),
         "staleness_hist": hist, "reward_mean": mean("rollout/reward_mean"),
+        # sample bytes the driver encoded/decoded per step (None: a run from before the metric existed)
+        "driver_bytes_per_step": mean("perf/driver_bytes") if any("perf/driver_bytes" in r for r in steady) else None,
+        "batch_bytes_per_step": mean("perf/batch_bytes") if any("perf/batch_bytes" in r for r in steady) else None,
         "reward_per_s": mean("rollout/reward_mean") * len(steady) / max(wall, 1e-9),
     }
 
@@ -123,6 +128,9 @@ def run(cfg: Config, args) -> dict[str, Any]:
             ("T train+sync s/step (sync)", sync["train_sync_s_per_step"]),
             ("ideal speedup (R+T)/max(R,T)", ideal), ("measured speedup", speedup),
             ("fraction of ideal", speedup / ideal if ideal else float("nan")),
+            ("learner idle ratio sync | async", f"{sync['learner_idle_ratio']:.3f} | {asyn['learner_idle_ratio']:.3f}"),
+            ("driver bytes/step sync | async", f"{sync['driver_bytes_per_step']} | {asyn['driver_bytes_per_step']}"),
+            ("batch bytes/step (fetched by learner rank 0) async", asyn["batch_bytes_per_step"]),
             ("async staleness hist", str(asyn["staleness_hist"]))]
     print_table(f"e2e: async (max_staleness={staleness}) vs sync (max_staleness=0)", rows)
     _plot(sync, asyn, Path(getattr(args, "output", "bench")))

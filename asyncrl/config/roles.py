@@ -273,6 +273,9 @@ class BufferConfig(Section):
     """ROUTER port for producers and the learner; 0 = pick a free one (from `cluster.port_range`)."""
     hwm: int = Field(64, gt=0)
     """ZeroMQ high-water mark (messages queued per peer before back-pressure)."""
+    push_window: int = Field(4, ge=1)
+    """Unacknowledged pushes a rollout actor keeps in flight (each group still acknowledged on its
+    own); 1 = one round trip per group. Bounded by the groups it runs at once."""
     ticket_lease_s: float = Field(1800.0, gt=0)
     """Admission ticket lease: a ticket not pushed or released within this time frees its slot
     (a dead actor's tickets never block admission forever); a later push is still accepted."""
@@ -417,3 +420,6 @@ class LearnerConfig(Section):
     """Weight broadcast to rollout engines."""
     batch_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for a batch from the buffer before the run fails with a message."""
+    prefetch: bool = True
+    """Rank 0 asks the buffer for the next step's batch while the current step trains, so the
+    learner waits only for what the rollouts have not produced yet (not for a round trip)."""

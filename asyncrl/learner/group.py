@@ -7,8 +7,11 @@
 - Every call fans out to all ranks (the worker's methods contain collectives) and waits for all of
   them, bounded by `cluster.startup_timeout_s` for start-up and `learner.batch_timeout_s` per call;
   results come from rank 0 (metrics are identical on every rank).
-- Groups travel to the ranks as `asyncrl.protocol` msgpack frames put once in the object store
-  (no pickled Python objects on the way).
+- The step's data (`asyncrl.learner.feed`): rank 0 fetches the groups' frames from the buffer
+  itself (`fetch` returns only their metadata to the driver), decodes them for its own step and
+  puts the frames once in the object store for the other ranks (`train_fetched`); it asks for the
+  next batch while the current step trains (`learner.prefetch`). No pickled Python objects and no
+  sample bytes pass through the driver. `step(groups)` trains on groups the caller holds (tests).
 - Weights: `start_weight_sender()` creates an `asyncrl.weights.WeightSender` on rank 0 (returns
   the address receivers join), `add_receivers` / `remove_receivers` manage its members, and
   `broadcast_weights()` streams the export bucket by bucket: every rank walks the same buckets (the
@@ -43,6 +46,8 @@ class LearnerActor:
         redirect_output(f"learner-{os.environ.get('RANK', '0')}")  # DeepSpeed/torch output to <run_dir>/logs/
         self.worker: Any = None
         self.sender: Any = None
+        self.feed: Any = None  # rank 0: learner.feed.BatchFeed, made by the first fetch_batch
+        self._batch: list[Any] = []  # rank 0: the decoded groups of the step being prepared
 
     def node_address(self) -> tuple[str, int]:
         import ray
@@ -69,10 +74,54 @@ class LearnerActor:
             (state / f"learner_rank_{rank}.pid").write_text(str(os.getpid()))
         return self.worker.version
 
-    def train_step(self, frames: list[bytes]) -> dict[str, float]:
+    # ---------------------------------------------------------------- the step's data (feed.py)
+    def fetch_batch(self, address: str, num_groups: int, version: int, timeout_s: float) -> list[dict[str, Any]]:
+        """Rank 0: fetch groups for `version` from the buffer at `address` into its `BatchFeed`
+        and return their metadata (the driver never sees the samples)."""
+        from asyncrl.learner.feed import BatchFeed
+
+        if self.feed is None or self.feed.address != address:
+            if self.feed is not None:
+                self.feed.close()
+            cfg = self.worker.cfg
+            self.feed = BatchFeed(address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
+                                  max_frame_bytes=int(cfg.buffer.max_frame_mb * 2**20))
+        return self.feed.fetch(num_groups, version, timeout_s)
+
+    def prepare_batch(self, ids: list[int]) -> list[Any]:
+        """Rank 0: the step's batch = the fetched groups named by `ids`; returns [ObjectRef of their
+        frames] for the other ranks (one `ray.put`), [None] at world size 1. The ref is wrapped in a
+        list so that the driver passes it on without resolving it."""
+        import ray
+
+        frames, self._batch = self.feed.take(ids)
+        return [ray.put(frames) if self.worker.world_size > 1 else None]
+
+    def train_step(self, frames: list[bytes] | None = None, prefetch: tuple[int, int, float] | None = None,
+                   ) -> dict[str, float]:
+        """One step. Rank 0 trains on the batch of `prepare_batch` (frames None), the other ranks on
+        `frames` (Ray resolved the ref from the object store), or every rank on `frames` given by
+        the caller (`LearnerGroup.step`). `prefetch` = (num_groups, version, timeout_s): rank 0
+        first asks the buffer for the next batch in the background."""
         from asyncrl.protocol import decode
 
-        return self.worker.train_step([decode(f) for f in frames])
+        if frames is None:
+            groups, self._batch = self._batch, []
+        else:
+            groups = [decode(f) for f in frames]
+        if prefetch is not None and self.feed is not None:
+            self.feed.start_prefetch(*prefetch)
+        return self.worker.train_step(groups)
+
+    def held_prompts(self) -> list[int]:
+        """Rank 0: prompt indices of the groups its feed took from the buffer and has not trained."""
+        return self.feed.held_prompts() if self.feed is not None else []
+
+    def sample_records(self, limit: int) -> list[dict[str, Any]]:
+        """Rank 0: up to `limit` decoded trajectories of its latest batch (JSON-ready, small)."""
+        from asyncrl.learner.feed import sample_records
+
+        return sample_records(self.feed.last_batch if self.feed is not None else [], limit)
 
     def export_state(self, bucket_bytes: int) -> dict[str, Any] | None:
         """All ranks iterate the export; rank 0 returns {name: CPU tensor} (tests, small models)."""
@@ -130,7 +179,7 @@ class LearnerActor:
 
 
 class LearnerGroup:
-    """The learner job. `step(groups) -> metrics` (rank 0's), `version`, checkpoints, export."""
+    """The learner job. `fetch` + `train_fetched` -> metrics (rank 0's), `version`, checkpoints, export."""
 
     def __init__(self, cfg: Config, name: str = "learner") -> None:
         from ray.util.placement_group import placement_group
@@ -217,6 +266,8 @@ class LearnerGroup:
         return ray.get(refs, timeout=timeout or self.cfg.learner.batch_timeout_s)
 
     def step(self, groups: Sequence[Any]) -> dict[str, float]:
+        """One step on groups the caller holds (tests, benchmarks): encoded here, put once in the
+        object store. A job's trainer uses `fetch` + `train_fetched` (no sample bytes in the driver)."""
         import ray
 
         from asyncrl.protocol import encode
@@ -225,6 +276,42 @@ class LearnerGroup:
         metrics = self._all("train_step", frames)
         self.version = int(metrics[0]["train/version"])
         return metrics[0]
+
+    def fetch(self, address: str, num_groups: int, version: int, timeout_s: float) -> list[dict[str, Any]]:
+        """Rank 0 fetches up to num_groups groups for `version` from the buffer at `address` (or
+        takes its prefetch); returns their metadata (`learner.feed.group_meta`)."""
+        import ray
+
+        grace = 300.0  # the buffer client's reply grace and reconnect window (a restarting buffer)
+        return ray.get(self.actors[0].fetch_batch.remote(address, num_groups, version, timeout_s),
+                       timeout=timeout_s + grace)
+
+    def train_fetched(self, ids: list[int], prefetch: tuple[int, int, float] | None = None) -> dict[str, float]:
+        """One step on the fetched groups named by `ids` (the others fetched are dropped). The
+        frames reach ranks 1..W-1 through rank 0's object-store copy; the driver only passes the
+        ref. `prefetch` = (num_groups, version, timeout_s) of the next batch, asked for while this
+        step trains."""
+        import ray
+
+        timeout = self.cfg.learner.batch_timeout_s
+        [ref] = ray.get(self.actors[0].prepare_batch.remote(list(ids)), timeout=timeout)
+        refs = [a.train_step.remote(None, prefetch) if r == 0 else a.train_step.remote(ref)
+                for r, a in enumerate(self.actors)]
+        metrics = ray.get(refs, timeout=timeout)
+        self.version = int(metrics[0]["train/version"])
+        return metrics[0]
+
+    def held_prompts(self) -> list[int]:
+        """Prompt indices of the groups rank 0 took from the buffer and has not trained (prefetched)."""
+        import ray
+
+        return ray.get(self.actors[0].held_prompts.remote(), timeout=self.cfg.learner.batch_timeout_s)
+
+    def sample_records(self, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` decoded trajectories of the latest trained batch (rank 0's, small JSON)."""
+        import ray
+
+        return ray.get(self.actors[0].sample_records.remote(int(limit)), timeout=self.cfg.learner.batch_timeout_s)
 
     def start_weight_sender(self, port: int = 0, publish: bool = True) -> str:
         """Create rank 0's WeightSender; returns the address receivers join."""

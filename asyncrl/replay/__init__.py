@@ -1,7 +1,8 @@
 """ZeroMQ replay buffer: server, clients, staleness-bounded admission and delivery, snapshots.
 
 `ReplayBufferServer(cfg.buffer, batch_size=cfg.data.rollout_batch_size).start() -> address`;
-`BufferClient(address, curve=cfg.buffer.curve)` from any process. Rules: `asyncrl.replay.state`;
+`BufferClient(address, curve=cfg.buffer.curve)` from any process; `PushWindow(client, k)` keeps k
+pushes of one producer in flight (`asyncrl.replay.window`). Rules: `asyncrl.replay.state`;
 wire and ZeroMQ settings: `asyncrl.replay.server`; snapshots: `asyncrl.replay.snapshot`.
 """
 
@@ -15,6 +16,7 @@ from asyncrl.replay.client import (
 from asyncrl.replay.server import ReplayBufferServer
 from asyncrl.replay.snapshot import SnapshotError
 from asyncrl.replay.state import BufferState, UnknownTicket
+from asyncrl.replay.window import PushWindow
 
 __all__ = ["BufferClient", "BufferDisconnected", "BufferFull", "BufferRequestError", "BufferState", "BufferTimeout",
-           "ReplayBufferServer", "SnapshotError", "UnknownTicket"]
+           "PushWindow", "ReplayBufferServer", "SnapshotError", "UnknownTicket"]

@@ -99,7 +99,7 @@ class BufferClient:
         self._sockets: list[zmq.Socket] = []
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
-        self._stash: list[Group] = []  # groups from batch replies that arrived after their timeout
+        self._stash: list[bytes] = []  # group frames of batch replies that arrived after their timeout
         # Closes the sockets and the context when the client is closed or collected. A client in a
         # reference cycle would otherwise hang the process in the collector: CPython clears the
         # context's weak references to its sockets before any finalizer runs, so the context's own
@@ -192,7 +192,7 @@ class BufferClient:
     def _late(self, sock: zmq.Socket, reply: Any, extra: list[zmq.Frame]) -> None:
         """A reply to an earlier request that timed out: keep its groups, give back its ticket."""
         if isinstance(reply, BatchReply):
-            self._stash.extend(decode(f.buffer, max_bytes=self.max_frame_bytes) for f in extra)
+            self._stash.extend(f.bytes for f in extra)
         elif isinstance(reply, TicketReply) and reply.ticket >= 0:
             sock.send_multipart([struct.pack("<Q", next(self._rids)), encode(TicketRelease(reply.ticket))])
 
@@ -258,25 +258,38 @@ class BufferClient:
             self._local.sock = self._local.mon = self._local.poller = None
 
     # ---------------------------------------------------------------------------- learner API
-    def get_batch(self, num_groups: int, version: int, timeout_s: float = 60.0) -> list[Group]:
-        """Up to num_groups groups for learner version `version`, oldest first, all within the
-        staleness bound (also sets the buffer's v). Fewer (maybe none) when timeout_s passes first."""
+    def get_batch_frames(self, num_groups: int, version: int, timeout_s: float = 60.0, *,
+                         ahead: int = 0) -> list[bytes]:
+        """Up to num_groups encoded Group frames for learner version `version`, oldest first, all
+        within the staleness bound (also sets the buffer's v to `version - ahead`; see
+        `BatchRequest.ahead`); fewer (maybe none) when timeout_s passes first. The frames are the
+        ones the producers pushed, byte for byte: this client neither decodes nor re-encodes them
+        (the caller decodes where the groups are used)."""
         out = self._stash[:num_groups]
         del self._stash[:num_groups]
         if len(out) == num_groups:
             return out
         reply, frames = self._resending(lambda: self._request(
-            BatchRequest(num_groups - len(out), int(version), float(timeout_s)), wait_s=timeout_s))
+            BatchRequest(num_groups - len(out), int(version), float(timeout_s), int(ahead)), wait_s=timeout_s))
         assert isinstance(reply, BatchReply)
         self._local.version = reply.version
         for f in frames:
-            g = decode(f.buffer, max_bytes=self.max_frame_bytes)
-            if not isinstance(g, Group):
-                raise ProtocolError(f"batch reply carried a {type(g).__name__}")
-            out.append(g)
+            if len(f) > self.max_frame_bytes:
+                raise ProtocolError(f"batch reply carried a frame of {len(f)} bytes (limit {self.max_frame_bytes})")
+            out.append(f.bytes)
         extra = self._stash[: num_groups - len(out)]  # late replies that arrived during this request
         del self._stash[: len(extra)]
         return out + extra
+
+    def get_batch(self, num_groups: int, version: int, timeout_s: float = 60.0) -> list[Group]:
+        """`get_batch_frames`, decoded (tests, benchmarks, tools that read the groups here)."""
+        out = []
+        for frame in self.get_batch_frames(num_groups, version, timeout_s):
+            g = decode(frame, max_bytes=self.max_frame_bytes)
+            if not isinstance(g, Group):
+                raise ProtocolError(f"batch reply carried a {type(g).__name__}")
+            out.append(g)
+        return out
 
     def set_version(self, version: int) -> None:
         self._resending(lambda: self._request(SetVersion(int(version))))

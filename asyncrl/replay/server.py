@@ -357,8 +357,9 @@ class ReplayBufferServer:
         elif isinstance(msg, BatchRequest):
             if msg.num_groups <= 0:
                 raise ProtocolError("BatchRequest.num_groups must be > 0")
-            if msg.version != st.version:
-                st.set_version(msg.version)
+            admit = msg.version - max(0, msg.ahead)
+            if admit != st.version and (msg.ahead <= 0 or admit > st.version):  # a prefetch never lowers v
+                st.set_version(admit)
             self._batches.append(_Waiter(ident, rid, msg, now, now + max(0.0, float(msg.timeout_s))))
         elif isinstance(msg, TicketRelease):
             released = st.release(msg.ticket)
@@ -397,11 +398,11 @@ class ReplayBufferServer:
                 st.release(ticket)
         while self._batches:
             w = self._batches[0]
-            st.drop_stale()
+            st.drop_stale(w.msg.version)
             if st.buffered < w.msg.num_groups and now < w.deadline:
                 break
             self._batches.popleft()
-            taken = st.take(w.msg.num_groups)
+            taken = st.take(w.msg.num_groups, at=w.msg.version)
             st.record_wait("batch", now - w.t0)
             reply = BatchReply(len(taken), st.version, st.counters["dropped_stale"])
             if not self._send(sock, w.ident, w.rid, reply, [g.blob for g in taken]):

@@ -215,9 +215,12 @@ class BufferState:
         self.version = int(version)
         return self.drop_stale()
 
-    def drop_stale(self) -> int:
+    def drop_stale(self, at: int | None = None) -> int:
+        """Drops the groups stale at version v (or at the later version `at` a prefetch trains at:
+        learner versions only grow, so those groups can never be delivered)."""
+        v = self.version if at is None else max(self.version, int(at))
         n = 0
-        while self._heap and self.version - self._heap[0][0] > self.max_staleness:
+        while self._heap and v - self._heap[0][0] > self.max_staleness:
             _, _, sg = heapq.heappop(self._heap)
             self.bytes -= sg.nbytes
             self._removed.append(sg.seq)
@@ -235,15 +238,17 @@ class BufferState:
         self.mutations += bool(out)
         return out
 
-    def take(self, num_groups: int, now: float | None = None) -> list[StoredGroup]:
-        """Pops up to num_groups groups, oldest version first, all within the staleness bound."""
+    def take(self, num_groups: int, now: float | None = None, at: int | None = None) -> list[StoredGroup]:
+        """Pops up to num_groups groups, oldest version first, all within the staleness bound at
+        v (or at the later version `at` they will be trained at, for a prefetch)."""
         now = time.time() if now is None else now
-        self.drop_stale()
+        v = self.version if at is None else max(self.version, int(at))
+        self.drop_stale(v)
         out = [heapq.heappop(self._heap)[2] for _ in range(min(num_groups, len(self._heap)))]
         for sg in out:
             self.bytes -= sg.nbytes
             self._removed.append(sg.seq)
-            self.staleness_hist[self.version - sg.min_version] += 1
+            self.staleness_hist[v - sg.min_version] += 1
             self._waits["age"].append(now - sg.stored_at)
             self._serve_times.append(now)
         self.consumed += len(out)

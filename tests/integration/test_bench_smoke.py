@@ -43,6 +43,8 @@ def test_buffer_smoke(tmp_path: Path) -> None:
     r = _bench("buffer", tmp_path)
     assert r["ratio"] == pytest.approx(r["buffer"]["groups_per_s"] / r["bare"]["groups_per_s"])
     assert 0 < r["ratio"] < 10
+    w = r["buffer_window"]  # pipelined pushes: every group delivered, figures reported
+    assert w["groups"] >= 40 and w["groups_per_s"] > 0 and w["mb_per_s"] > 0 and r["window_ratio"] > 0
 
 
 def test_weight_sync_smoke(tmp_path: Path) -> None:
@@ -99,6 +101,12 @@ def test_e2e_json_from_metrics_rows() -> None:
     assert out["fraction_of_ideal"] == pytest.approx(1.0)
     for key in ("sync", "async", "latency_model", "steps", "warmup"):
         assert key in out
+    assert sync["driver_bytes_per_step"] is None  # rows from before the metric: not reported as 0
+    rows = [{**r, "perf/driver_bytes": 0.0, "perf/batch_bytes": 1000.0 * i} for i, r in enumerate(_rows(
+        [10, 12, 14], 2.0, 0.1, 300, [[1], [1], [1]]))]
+    # warm-up 1 -> steady rows 1..2: driver 0 bytes, batch (1000 + 2000) / 2 = 1500 bytes per step
+    fig = figures(rows, 1, max_staleness=1, rollout_actors=1)
+    assert fig["driver_bytes_per_step"] == 0.0 and fig["batch_bytes_per_step"] == pytest.approx(1500.0)
     json.dumps(out)
 
 

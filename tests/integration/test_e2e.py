@@ -1,7 +1,8 @@
 """End to end through `python -m asyncrl.launch` (real Ray, Ray Serve rule verifier, vLLM CPU
 engines, ZeroMQ buffer, DeepSpeed learner, gloo weight broadcast) on the quick-start world.
 
-Proves: an async run trains, checkpoints and evaluates with every artefact in the run directory;
+Proves: an async run trains, checkpoints and evaluates with every artefact in the run directory,
+and its driver process encodes or decodes no sample bytes (learner rank 0 fetches the batches);
 no trained group exceeds the staleness bound and no prompt is trained twice; after each weight
 sync the engines' behaviour log-probs match the learner's recomputation (synchronous run:
 mismatch KL ~ 0); bad input at launch fails before any training step with a message naming the
@@ -70,6 +71,10 @@ def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
         assert key in last, key
     # every sync's fingerprint (wire + read-back) was checked and matched
     assert all(r["weights/fingerprint_mismatch"] == 0 for r in rows)
+    # The straight data path: every step trained a real batch (bytes fetched by learner rank 0),
+    # and the driver process encoded or decoded zero Group/Sample bytes.
+    assert all(r["perf/batch_bytes"] > 0 and r["train/samples"] == 2 * 4 for r in rows)
+    assert all(r["perf/driver_bytes"] == 0 for r in rows), [r["perf/driver_bytes"] for r in rows]
     # Run directory artefacts.
     assert (run / "config.resolved.json").exists()
     for step in (2, 4):

@@ -23,6 +23,7 @@ from asyncrl.protocol import (
     Sample,
     StatsReply,
     TicketRequest,
+    codec_counts,
     decode,
     encode,
 )
@@ -93,7 +94,7 @@ def test_sample_round_trip(s: Sample) -> None:
 
 
 def test_control_messages_round_trip() -> None:
-    for msg in (TicketRequest("a", 1.5), BatchRequest(8, 3, 2.0), PushReply("full", "x"),
+    for msg in (TicketRequest("a", 1.5), BatchRequest(8, 3, 2.0), BatchRequest(8, 3, 2.0, 1), PushReply("full", "x"),
                 StatsReply({"buffer/a": 1.0}), ErrorReply("malformed", "m")):
         assert decode(encode(msg)) == msg
 
@@ -186,6 +187,20 @@ def test_decoded_arrays_share_one_buffer_and_no_pickle() -> None:
     assert b"pickle" not in frame and b"\x80\x04" not in frame[:2]
     s = decode(frame).samples[0]
     assert not s.response_ids.flags.writeable  # a view on the received ext payload, not a copy
+
+
+def test_codec_counts_sample_frames_only() -> None:
+    g = synthetic_group(np.random.default_rng(5), prompt_uid="p", version=1, n=2, min_tokens=8, max_tokens=8)
+    before = codec_counts()
+    frame = encode(g)
+    decode(frame)
+    decode(encode(TicketRequest("a", 1.0)))  # control messages are not counted
+    after = codec_counts()
+    # one Group frame each way, its length in bytes
+    assert after["encoded_frames"] - before["encoded_frames"] == 1
+    assert after["decoded_frames"] - before["decoded_frames"] == 1
+    assert after["encoded_bytes"] - before["encoded_bytes"] == len(frame)
+    assert after["decoded_bytes"] - before["decoded_bytes"] == len(frame)
 
 
 def test_one_mb_group_encode_decode_is_fast() -> None:

@@ -1,5 +1,5 @@
 """Buffer rules without sockets: AReaL's admission rule with hand-computed limits, ticket leases,
-duplicate/late pushes, the hard staleness bound (ingest, version change, delivery), oldest-first
+duplicate/late pushes, the hard staleness bound (ingest, version change, delivery, a prefetch's later version), oldest-first
 delivery, capacity answers, the DAPO filter, requeue, and stats names."""
 
 from __future__ import annotations
@@ -64,6 +64,19 @@ def test_hard_bound_at_ingest_version_change_and_delivery() -> None:
     assert [g.min_version for g in got] == [3]
     assert st.counters["dropped_stale"] == 2
     assert st.stats()["buffer/staleness/1"] == 1.0
+
+
+def test_prefetch_take_obeys_the_bound_of_its_training_version_without_raising_admission() -> None:
+    st = state(max_staleness=1)
+    for v in (0, 1, 1):
+        st.ingest(*group(v))
+    # a prefetch made at v=1 for the step trained at v=2: the v0 group (2 - 0 > 1) is dropped,
+    # the two v1 groups are delivered with lag 2 - 1 = 1; the buffer's v (admission) stays 1
+    st.set_version(1)
+    got = st.take(3, at=2)
+    assert [sg.min_version for sg in got] == [1, 1] and st.counters["dropped_stale"] == 1
+    assert st.version == 1 and st.admission_limit() == (1 + 1 + 1) * 2
+    assert st.staleness_hist[1] == 2
 
 
 def test_strictly_on_policy_with_zero_staleness() -> None:
