@@ -6,10 +6,10 @@
 Both modes run the real guided protocol (`asyncrl.actors.guided`: Conversation, PolicyChat,
 GuideOptions with `training=False`, so the verifier is not shown the reference, as in Guided-GRPO
 validation) on vLLM's offline engine (CPU build here), greedy by default:
-- guided: the task's rule verifier answers every policy turn (GUIDED_GRPO.md 1.5); a
+- guided: the task's rule verifier answers every policy turn (docs/guided_grpo.md#turn-loop); a
   conversation ends on STOP + a formatted answer, or after `max_turns` policy turns.
 - solver-only: the same loop with a verifier that always says STOP, so the policy gets only the
-  continue prompt until it gives a formatted answer (1.5's STOP-without-answer rule), with the same
+  continue prompt until it gives a formatted answer (the STOP-without-answer rule, docs/guided_grpo.md#final-answer), with the same
   turn budget. Its hallucination score is measured after the fact by the rule verifier on each
   turn (the policy never sees it).
 
@@ -17,7 +17,8 @@ Reported per mode (the quantities of the Guided-GRPO paper): accuracy (last `\\b
 policy turn equals the answer) with its binomial standard error and, for rows that carry
 `num_steps` (the arith task), accuracy by problem length; mean turns, mean policy / verifier
 tokens per sample (verifier tokens counted with the policy tokenizer on the raw reply), format rate
-(final turn has a valid final answer, 1.8), hallucination score (1.11, mean over samples). The JSON top level carries
+(final turn has a valid final answer, #final-answer), hallucination score (#hallucination-score,
+mean over samples). The JSON top level carries
 `guided_accuracy`, `solver_accuracy` (and their `_se`) and, from the guided mode when run (else solver-only),
 `mean_turns`, `mean_policy_tokens`, `mean_verifier_tokens`, `format_rate`, `hallucination_score`;
 `guided` / `solver` hold each mode's full numbers.

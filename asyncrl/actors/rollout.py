@@ -1,6 +1,6 @@
 """`RolloutActor`: one vLLM engine turning prompts into guided groups, forever.
 
-Loop (DESIGN.md §5): admission ticket from the buffer → a prompt from the coordinator → the `n`
+Loop: admission ticket from the buffer → a prompt from the coordinator → the `n`
 guided conversations of the group, concurrently (asyncrl.actors.guided; verifier through the
 service client) → rewards (off the event loop) → training samples for the configured
 `train_scope` → push the group (acknowledged by the buffer; the pushes of concurrent groups are

@@ -1,7 +1,7 @@
 """The replay buffer's bookkeeping, without sockets: admission tickets, the staleness bound, oldest-first
 delivery, capacity, dynamic-sampling filter, counters and stats. Single-threaded; the server holds a lock.
 
-Rules (DESIGN.md section 4; AReaL's admission rule, asyncrl's hard bound):
+Rules (AReaL's admission rule, asyncrl's hard bound):
 - Admission: a ticket is granted while ``consumed + buffered + in_flight < (v + max_staleness + 1) * B``
   (v = learner version, B = groups per learner step). Groups dropped (stale or filtered) leave the
   sum, so their slots are re-granted and replacement work is generated.
