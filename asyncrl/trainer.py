@@ -58,6 +58,7 @@ class Trainer:
         self._seen = {"buffer/restarts": 0, "coordinator/restarts": 0}
         self._lengths: dict[str, list[float]] = {"dropped": [], "trained": []}
         self._reissued_stale = 0
+        self._stale_already_pending = 0
         self.duplicates_dropped = 0
         if resume is not None:
             self._mark_resume(resume)
@@ -302,9 +303,14 @@ class Trainer:
         out: dict[str, Any] = {f"coordinator/{k}": float(v) for k, v in coord.items()}
         dropped = ray.get(topo.buffer.take_dropped.remote())
         if dropped and self.cfg.buffer.reissue_stale:
-            self._reissued_stale += ray.get(topo.coordinator.reissue.remote([i for i, _ in dropped], "stale"))
+            added = ray.get(topo.coordinator.reissue.remote([i for i, _ in dropped], "stale"))
+            self._reissued_stale += added
+            # the rest were pending already (e.g. re-issued as lost after a learner or buffer death)
+            # or trained meanwhile: explained, not issued twice
+            self._stale_already_pending += len(dropped) - added
         self._lengths["dropped"] += [float(n) for _, n in dropped]
         out["buffer/reissued_stale"] = float(self._reissued_stale)
+        out["buffer/stale_already_pending"] = float(self._stale_already_pending)
         out["train/duplicates_dropped"] = float(self.duplicates_dropped)
         return out
 

@@ -10,21 +10,19 @@ import time
 
 import numpy as np
 import pytest
+from replay_procs import indexed_group
 
 from asyncrl.config import BufferConfig
 from asyncrl.learner.feed import BatchFeed
 from asyncrl.protocol import encode
 from asyncrl.replay import BufferClient, ReplayBufferServer
-from asyncrl.replay.synthetic import synthetic_group
 
 pytestmark = pytest.mark.integration
 RNG = np.random.default_rng(0)
 
 
 def group(index: int, version: int):
-    g = synthetic_group(RNG, prompt_uid=f"p/{index}", version=version, n=2, min_tokens=8, max_tokens=8)
-    g.metadata["prompt_index"] = index
-    return g
+    return indexed_group(RNG, index, version, tokens=8)
 
 
 def test_feed_fetch_take_and_prefetch() -> None:

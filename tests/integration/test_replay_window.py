@@ -8,26 +8,22 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from replay_procs import indexed_group, start_buffer_process
 
 from asyncrl.config import BufferConfig
 from asyncrl.replay import BufferClient, PushWindow, ReplayBufferServer
-from asyncrl.replay.synthetic import synthetic_group
 
 pytestmark = pytest.mark.integration
 RNG = np.random.default_rng(0)
 
 
 def group(index: int, version: int = 0):
-    g = synthetic_group(RNG, prompt_uid=f"p/{index}", version=version, n=2, min_tokens=16, max_tokens=16)
-    g.metadata["prompt_index"] = index
-    return g
+    return indexed_group(RNG, index, version)
 
 
 def test_window_keeps_several_pushes_in_flight_and_acks_each() -> None:
@@ -51,17 +47,8 @@ def test_window_keeps_several_pushes_in_flight_and_acks_each() -> None:
         server.stop()
 
 
-def start(tmp: Path, port: int, *, recover: bool, tag: str) -> tuple[subprocess.Popen, str]:
-    addr_file = tmp / f"addr-{tag}"
-    cmd = [sys.executable, "-m", "asyncrl.replay", "serve", "--batch-size", "4", "--address-file", str(addr_file),
-           "--log", str(tmp / "buffer.wal"), "buffer.max_staleness=1", f"buffer.port={port}",
-           *(["--recover"] if recover else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 60
-    while not addr_file.exists() and time.monotonic() < end and proc.poll() is None:
-        time.sleep(0.05)
-    assert addr_file.exists(), proc.stderr.read() if proc.poll() is not None else "no address"
-    return proc, addr_file.read_text()
+def start(tmp: Path, port: int, *, recover: bool, tag: str):
+    return start_buffer_process(tmp, port, recover=recover, tag=tag, batch_size=4)
 
 
 def test_server_restart_mid_window_loses_and_doubles_nothing(tmp_path: Path) -> None:
