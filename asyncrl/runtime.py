@@ -23,7 +23,7 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.logs import echo, quiet_console, verbose, worker_env
-from asyncrl.startup import StartupError, StopFlag, check_reachable, say, step_timer
+from asyncrl.startup import RepeatedFailure, StartupError, StopFlag, check_reachable, say, step_timer
 
 
 # ------------------------------------------------------------------------------------- run dir
@@ -150,6 +150,8 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         trainer = Trainer(cfg, topo, run_dir, stop, resume)
         try:
             return trainer.train()
+        except RepeatedFailure:
+            raise  # a fault no restart fixes (e.g. an unreachable address): its one message, exit 1 (below)
         except Exception as exc:  # noqa: BLE001 - a component died: one message, a checkpoint, exit 3
             return trainer.on_failure(exc)
         finally:
