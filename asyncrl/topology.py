@@ -124,14 +124,24 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             if snap is not None and snap.exists():
                 restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
                 say(f"  buffer restored from {snap}: {restored} group(s)")
-        with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
-            topo.verifier = deploy_verifier(cfg)
-            if cfg.rollout.guide.enable:
+        if cfg.rollout.guide.enable:
+            with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
+                topo.verifier = deploy_verifier(cfg)
                 probe_verifier(cfg)
+        else:  # nothing would call it (no Serve controller and proxy competing for the CPUs either)
+            say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
+        # The engine builds (the longest step) run while the weight store and the learner start.
+        # Not on resume: an actor started then must see the restored version (and its weights).
+        topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address=topo.buffer_address,
+                                  namespace=namespace, coordinator=topo.coordinator, buffer=topo.buffer, learner=None)
+        launched = topo.fleet.launch(cfg.rollout.num_actors) if resume is None else None
+        if launched is not None:
+            say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the learner starts")
         with step_timer("weight store"):
             topo.weight_store = start_weight_store(namespace)
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
             topo.learner = LearnerGroup(cfg)
+            topo.fleet.learner = topo.learner
             if resume:
                 topo.learner.load_checkpoint(str(resume))
             version = topo.learner.version
@@ -141,10 +151,10 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
             say(f"  weight rendezvous at {topo.weight_address}")
         with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
-            topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address=topo.buffer_address,
-                                      namespace=namespace, coordinator=topo.coordinator, buffer=topo.buffer,
-                                      learner=topo.learner)
-            topo.fleet.start(cfg.rollout.num_actors, timeout)
+            if launched is not None:
+                topo.fleet.join(launched, timeout)
+            else:
+                topo.fleet.start(cfg.rollout.num_actors, timeout)
         if version > 0:
             with step_timer(f"weight group (resumed at v{version}: first broadcast)"):
                 topo.fleet.sync_weights(topo.weight_address)

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config import rollout_device_defaults
+from asyncrl.config import engine_env, rollout_device_defaults
 from asyncrl.weights.local import LocalFeed
 from asyncrl.weights.receiver import announced_version
 from asyncrl.weights.store import STORE_NAME, fetch_weights
@@ -140,6 +140,8 @@ class PolicyEngine:
             # token budget instead, and per-request seeds stay safe.
             enable_chunked_prefill=self.on_gpu,
         )
+        # read by vLLM when it builds the engine config and the engine-core process (inherited)
+        os.environ.update(engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process))
         self.llm = AsyncLLM.from_engine_args(args)
         self._update_lock = asyncio.Lock()
         self.load_events: list[tuple[float, str]] = []  # (monotonic time, what): pause/resume/recovery

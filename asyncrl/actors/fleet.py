@@ -65,19 +65,20 @@ class LearnerWeights(Protocol):
 
 class RolloutFleet:
     def __init__(self, cfg: Config, actor_cls: ActorClass, *, buffer_address: str, namespace: str,
-                 coordinator: ActorHandle, buffer: ActorHandle, learner: LearnerWeights) -> None:
+                 coordinator: ActorHandle, buffer: ActorHandle, learner: LearnerWeights | None) -> None:
         self.cfg = cfg
         self.actor_cls = actor_cls
         self.buffer_address = buffer_address
         self.namespace = namespace
         self.coordinator = coordinator
         self.buffer = buffer
-        self.learner = learner
+        self.learner = learner  # may be set after `launch` (start-up overlaps the engine builds)
         self.actors: dict[str, ActorHandle] = {}
         self.loops: dict[str, ObjectRef] = {}  # actor id -> its running `run()` call
         self.next_index = 0  # actor ids are never reused: rollout-0, rollout-1, ...
         self._failures: dict[str, tuple[str, int]] = {}  # actor -> (error signature, times in a row)
         self._stats: dict[str, dict[str, Any]] = {}  # each actor's latest `stats()` (for status.json)
+        self._launching: dict[str, ActorHandle] = {}  # launched, not joined yet (killed by shutdown too)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -85,21 +86,35 @@ class RolloutFleet:
     # ------------------------------------------------------------------ start, enrol, withdraw
     def start(self, count: int, timeout: float) -> list[str]:
         """Start `count` new rollout actors (engines up) and enrol them in the weight group."""
-        import ray
+        return self.join(self.launch(count), timeout)
 
-        new = {}
+    def launch(self, count: int) -> dict[str, tuple[ActorHandle, ObjectRef]]:
+        """Create `count` new actors and begin their `start()` (the engine builds) without waiting,
+        so the driver can start other components meanwhile; `join` finishes the start."""
+        pending = {}
         for _ in range(count):
             actor_id = f"rollout-{self.next_index}"
             self.next_index += 1
-            new[actor_id] = self.actor_cls.options(name=actor_id, resources=self.cfg.cluster.resources.get("rollout")).remote(
+            actor = self.actor_cls.options(name=actor_id, resources=self.cfg.cluster.resources.get("rollout")).remote(
                 self.cfg.model_dump_json(), actor_id, self.buffer_address, self.namespace)
-        reports = ray.get([a.start.remote() for a in new.values()], timeout=timeout)
+            pending[actor_id] = (actor, actor.start.remote())
+        self._launching.update({aid: actor for aid, (actor, _) in pending.items()})
+        return pending
+
+    def join(self, pending: dict[str, tuple[ActorHandle, ObjectRef]], timeout: float) -> list[str]:
+        """Wait for `launch`ed actors' engines, then enrol them in the weight group (the learner
+        must exist by now)."""
+        import ray
+
+        reports = ray.get([ref for _, ref in pending.values()], timeout=timeout)
         for report in reports:
             say(f"  {report['actor_id']} on {report.get('host', '?')}: engine up in {report['start_s']:.1f}s "
                 f"(weights v{report['version']})")
-        self.actors.update(new)
-        self.enrol(list(new))
-        return list(new)
+        self.actors.update({aid: actor for aid, (actor, _) in pending.items()})
+        for aid in pending:
+            self._launching.pop(aid, None)
+        self.enrol(list(pending))
+        return list(pending)
 
     def enrol(self, actor_ids: list[str], *, remove_first: bool = False) -> None:
         """(Re-)enrol actors in the weight group; the group is rebuilt at the next broadcast."""
@@ -248,22 +263,37 @@ class RolloutFleet:
         return {"ok": True, "removed": removed, "actors": sorted(self.actors)}
 
     def shutdown(self) -> None:
-        for actor in list(self.actors.values()):
-            self._kill(actor)
+        """Every actor (and any launched but not joined) shut down at once, then killed."""
+        self._kill_all([*self.actors.values(), *self._launching.values()])
         self.actors.clear()
+        self._launching.clear()
         self.loops.clear()
 
     @staticmethod
     def _kill(actor: ActorHandle, timeout: float = 15.0) -> None:
         """The one way an actor is removed: its own shutdown (engine and child processes), bounded
         by `timeout`, then `ray.kill(no_restart=True)` so Ray does not bring it back."""
+        RolloutFleet._kill_all([actor], timeout)
+
+    @staticmethod
+    def _kill_all(actors: list[ActorHandle], timeout: float = 15.0) -> None:
+        """`_kill` for several actors, their shutdowns running concurrently (one `timeout` for all)."""
         import ray
 
-        try:
-            ray.get(actor.shutdown.remote(), timeout=timeout)
-        except Exception:  # noqa: BLE001 - it may be dead or stuck; the kill below is the backstop
-            pass
-        ray.kill(actor, no_restart=True)
+        refs = []
+        for actor in actors:
+            try:
+                refs.append(actor.shutdown.remote())
+            except Exception:  # noqa: BLE001 - a dead handle; the kill below is the backstop
+                pass
+        deadline = time.monotonic() + timeout
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - it may be dead or stuck; the kill below is the backstop
+                pass
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
 
     # ------------------------------------------------------------------ evaluation, metrics
     def evaluate(self, rows: list[dict[str, Any]], mode: str, keep: int) -> list[dict[str, Any]]:

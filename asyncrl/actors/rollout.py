@@ -28,7 +28,7 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from asyncrl.config import Config
+from asyncrl.config import Config, rollout_cpu_nice
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -42,6 +42,9 @@ class RolloutWorker:
         redirect_output(actor_id)  # vLLM and its engine processes write to <run_dir>/logs/<actor_id>.log
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.cfg = Config.model_validate_json(cfg_json)
+        nice = rollout_cpu_nice(self.cfg.rollout.gpus_per_actor, self.cfg.rollout.cpu_nice)
+        if nice is not None and nice > os.nice(0):  # absolute (a restart does not add up); raising is unprivileged
+            os.nice(nice - os.nice(0))
         self.actor_id = actor_id
         self.buffer_address = buffer_address
         self.namespace = namespace

@@ -46,7 +46,8 @@ UNEQUAL = [
     ("prompt budget", "data.max_prompt_length (longer prompts are refused)",
      "none (GRPOConfig has no prompt limit; the task's prompts are all far shorter)"),
     ("off-policy correction", "learner.off_policy (behaviour logprobs from vLLM)", "none needed (on-policy)"),
-    ("processes", "Ray driver, buffer, coordinator, verifier service, actors, learner", "one"),
+    ("processes", "Ray driver, buffer, coordinator, actors (engines niced), learner (1 thread per rank)",
+     "one, with every core (torch threads = CPU count; ASYNCRL_TRL_THREADS=N pins it)"),
     ("sampling stream", "the coordinator's shuffled prompt stream (seeded)", "TRL's RepeatSampler (seeded)"),
     ("precision / kernels", "DeepSpeed CPU (fp32) learner, vLLM CPU kernels", "PyTorch fp32 (HF eager)"),
 ]

@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config.model_validate_json(Path(args.config_json).read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    threads = int(os.environ.get("ASYNCRL_TRL_THREADS", "0") or 0)
+    # TRL is one process: by default it gets every core, as a user running it here would (torch's
+    # own default; the Makefile's OMP_NUM_THREADS=1, meant for asyncrl's many processes, would
+    # otherwise hold it to one thread). ASYNCRL_TRL_THREADS=N pins it.
+    threads = int(os.environ.get("ASYNCRL_TRL_THREADS", "0") or 0) or (os.cpu_count() or 1)
 
     import torch
     from datasets import Dataset

@@ -35,6 +35,9 @@ from asyncrl.config.roles import (
     VerifierHTTPConfig,
     WeightSyncConfig,
     engine_dtype,
+    engine_env,
+    learner_device_defaults,
+    rollout_cpu_nice,
     rollout_device_defaults,
 )
 from asyncrl.config.schema import Config
@@ -84,6 +87,9 @@ __all__ = [
     "check_files",
     "deep_merge",
     "engine_dtype",
+    "engine_env",
+    "learner_device_defaults",
+    "rollout_cpu_nice",
     "from_guided_grpo",
     "load_config",
     "parse_overrides",

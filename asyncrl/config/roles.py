@@ -12,7 +12,7 @@ from pydantic import Field
 
 from asyncrl.config.sections import Section
 
-__all__ = ["GuideSamplingConfig", "GuideConfig", "rollout_device_defaults", "engine_dtype", "RolloutConfig",
+__all__ = ["GuideSamplingConfig", "GuideConfig", "rollout_device_defaults", "learner_device_defaults", "rollout_cpu_nice", "engine_env", "engine_dtype", "RolloutConfig",
            "VerifierHTTPConfig", "VerifierClientConfig", "AutoscalingConfig", "VerifierConfig", "CurveConfig",
            "DynamicSamplingConfig", "DurableConfig", "BufferConfig", "OptimConfig", "OffPolicyConfig", "KLConfig",
            "WeightSyncConfig", "LearnerConfig"]
@@ -63,6 +63,32 @@ def rollout_device_defaults(gpus_per_actor: int) -> tuple[bool, float]:
     return (False, 0.9) if gpus_per_actor > 0 else (True, 0.6)
 
 
+def learner_device_defaults(num_gpus: int) -> int:
+    """`learner.micro_batch_tokens` when the config leaves it None."""
+    return 8192 if num_gpus > 0 else 2048
+
+
+def rollout_cpu_nice(gpus_per_actor: int, nice: int | None) -> int | None:
+    """The niceness a rollout actor gives itself (its engine processes inherit it); None = leave
+    it as Ray started it."""
+    if nice is not None:
+        return nice
+    return None if gpus_per_actor > 0 else 19
+
+
+def engine_env(gpus: float, in_process: bool | None) -> dict[str, str]:
+    """Environment a vLLM engine (policy or verifier) is built under. `in_process` (None = derived:
+    True on CPU) keeps vLLM's model worker inside its engine-core process (UniProcExecutor):
+    vLLM's CPU build otherwise forces a separate worker process talking to the engine core over a
+    shared-memory queue whose readers busy-poll (sched_yield) for a second after every message,
+    which on a small CPU machine steals the cores the learner needs (2-core quick start: steps
+    2.64 -> 2.36 s, engine build 26 -> 14 s; BENCHMARKS.md). On GPU nothing is set: vLLM already
+    runs a one-GPU engine in-process and needs its worker processes for tensor parallelism."""
+    if gpus > 0:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if in_process is False else "0"}
+
+
 def engine_dtype(dtype: str, gpus: float) -> str:
     """The dtype a vLLM engine (policy or verifier) is built with: the configured one, or for
     `auto` float32 on CPU (vLLM's CPU build runs it 3x faster than bf16) and vLLM's own `auto` on
@@ -79,6 +105,12 @@ class RolloutConfig(Section):
     """GPUs per rollout actor (= tensor parallel size on GPU); 0 = vLLM's CPU build."""
     cpus_per_actor: float = Field(1.0, gt=0)
     """Ray CPUs reserved per rollout actor."""
+    cpu_nice: int | None = Field(None, ge=0, le=19)
+    """Scheduling niceness (absolute) of a rollout actor and its engine processes; None = derived
+    (`rollout_cpu_nice`): 19 for a CPU engine, unchanged with GPUs. On a CPU machine the engines
+    and the learner share cores while the fleet is paced by the buffer's admission anyway (it idles
+    ~55% of the quick start waiting for tickets): the learner, the job's critical path, goes first.
+    Ray starts its worker processes at niceness 15, so values below that change nothing."""
     max_restarts: int = Field(3, ge=-1)
     """Ray restarts of a crashed actor (-1 = unlimited)."""
     n: int = Field(8, gt=0)
@@ -106,6 +138,9 @@ class RolloutConfig(Section):
     in-place reload keeps their storage valid) with gpus_per_actor > 0, True on CPU."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prefixes (multi-turn); reset after every weight update."""
+    engine_in_process: bool | None = None
+    """vLLM CPU build: the model worker runs inside the engine-core process (no worker process and
+    no busy-polling queue between them); None = True on CPU. Ignored on GPU (`engine_env`)."""
     max_model_len: int | None = None
     """Engine context length; None = derived (prompt + turns x response)."""
     max_num_batched_tokens: int = Field(8192, gt=0)
@@ -380,8 +415,11 @@ class LearnerConfig(Section):
     """DeepSpeed ZeRO stage."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """auto = bf16 on GPU, fp32 on CPU."""
-    micro_batch_tokens: int = Field(8192, gt=0)
-    """Token budget of one micro-batch (padded length x sequences)."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Token budget of one micro-batch (padded length x sequences); None = derived
+    (`learner_device_defaults`): 8192 on GPU, 2048 on CPU (less padding and activations that stay
+    in cache: the quick start's learner step 1.38 -> 1.04 s alone on one core, the same loss since
+    micro-batches are summed exactly)."""
     max_micro_batch_size: int = Field(64, gt=0)
     """Sequences per micro-batch at most."""
     mini_batches: int = Field(1, ge=1)

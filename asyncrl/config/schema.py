@@ -21,6 +21,7 @@ from asyncrl.config.roles import (
     LearnerConfig,
     RolloutConfig,
     VerifierConfig,
+    learner_device_defaults,
     rollout_device_defaults,
 )
 from asyncrl.config.sections import (
@@ -64,6 +65,8 @@ class Config(Section):
         if self.learner.norm_length is None:  # Dr.GRPO's constant: the policy-token budget of one sample
             full = g.enable and g.train_scope == "full_turn"
             self.learner.norm_length = d.max_response_length * (g.max_turns if full else 1)
+        if self.learner.micro_batch_tokens is None:
+            self.learner.micro_batch_tokens = learner_device_defaults(self.learner.num_gpus)
         eager, memory = rollout_device_defaults(r.gpus_per_actor)
         if r.enforce_eager is None:
             r.enforce_eager = eager

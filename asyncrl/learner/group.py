@@ -37,6 +37,16 @@ from asyncrl.learner import checkpoint as ckpt
 __all__ = ["LearnerGroup", "LearnerActor"]
 
 
+def _raise_priority() -> None:
+    """A CPU learner shares its cores with the rollout engines (niced by `rollout.cpu_nice`): undo
+    the niceness 15 Ray starts its workers at, where the process may (root or CAP_SYS_NICE), so
+    the learner, the job's critical path, is scheduled first. Elsewhere nothing changes."""
+    try:
+        os.nice(-os.nice(0))
+    except OSError:
+        pass
+
+
 class LearnerActor:
     """Ray actor body: holds one `LearnerWorker` (built by `setup`, rebuildable with a new config)."""
 
@@ -64,6 +74,7 @@ class LearnerActor:
         os.environ.setdefault("LOCAL_RANK", "0")
         if cfg.learner.num_gpus == 0:
             torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+            _raise_priority()
         from asyncrl.learner.learner import LearnerWorker
 
         if self.worker is not None:

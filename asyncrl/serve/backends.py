@@ -72,6 +72,9 @@ class VLLMVerifier(VerifierReplica):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
         args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=c.engine_dtype, max_model_len=c.max_model_len,
                                enforce_eager=not on_gpu, seed=0)
+        from asyncrl.config import engine_env
+
+        os.environ.update(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
         self.engine = AsyncLLM.from_engine_args(args)
 
     def __del__(self) -> None:
