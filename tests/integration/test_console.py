@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="quick-start policy not built")]
 
 ARGS = ["rollout.n=4", "data.rollout_batch_size=2", "verifier.port=0", "trainer.logger=[jsonl]",
-        "trainer.max_steps=3", "trainer.eval_limit=4", "trainer.eval_every=0", "learner.weights.timeout_s=30"]
+        "trainer.max_steps=3", "trainer.eval_limit=4", "trainer.eval_every=0", "learner.weights.timeout_s=30",
+        "rollout.num_actors=2", "rollout.cpus_per_actor=0.5"]  # two actors: both roles' log files are checked
 THIRD_PARTY = re.compile(r"CALL chat|verifier_Verifier|ServeReplica|ProxyActor|ServeController|No CUDA runtime|"
                          r"Triton|WARNING \d\d-\d\d|Loading weights|DeepSpeed|RotaryEmbedding|\(RolloutWorker|"
                          r"\(LearnerActor|Generating train split")
