@@ -75,7 +75,7 @@ def test_placement_names_the_roles_and_the_shortage() -> None:
     assert any("no node of the cluster at h:6379 can host one rollout" in p for p in problems)
     # 2 x 8 GPUs: feasible by totals and per unit.
     assert resource_problems(cfg, [node(64, 8), node(64, 8, ip="10.0.0.2")], "h:6379") == []
-    pinned = load_config("configs/quickstart.yaml", ["cluster.resources.rollout.node_b=0.01"])
+    pinned = load_config("configs/quickstart.yaml", ["cluster.resources.rollout.node_b=0.01", "rollout.num_actors=2"])
     problems = resource_problems(pinned, [node(4, node_a=1)], "embedded")
     assert problems[0].startswith("needs 0.02 of resource 'node_b' (rollout 0.02)")
     assert "cluster.resources.rollout" in problems[1]
