@@ -33,6 +33,13 @@ from asyncrl.config import Config, rollout_cpu_nice
 log = logging.getLogger("asyncrl.rollout")
 
 
+def renice(nice: int | None) -> None:
+    """Set this process's niceness to `nice` (absolute, so a restart does not add up; only ever
+    raised, which needs no privilege); None leaves it."""
+    if nice is not None and nice > os.nice(0):
+        os.nice(nice - os.nice(0))
+
+
 class RolloutWorker:
     """The actor's logic as a plain class (wrapped by `make_rollout_actor_class` for Ray)."""
 
@@ -42,9 +49,7 @@ class RolloutWorker:
         redirect_output(actor_id)  # vLLM and its engine processes write to <run_dir>/logs/<actor_id>.log
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.cfg = Config.model_validate_json(cfg_json)
-        nice = rollout_cpu_nice(self.cfg.rollout.gpus_per_actor, self.cfg.rollout.cpu_nice)
-        if nice is not None and nice > os.nice(0):  # absolute (a restart does not add up); raising is unprivileged
-            os.nice(nice - os.nice(0))
+        renice(rollout_cpu_nice(self.cfg.rollout.gpus_per_actor, self.cfg.rollout.cpu_nice))
         self.actor_id = actor_id
         self.buffer_address = buffer_address
         self.namespace = namespace

@@ -25,3 +25,31 @@ def test_the_rollout_yields_the_cpu_to_the_learner_on_cpu_only():
 def test_the_config_fields_default_to_derived():
     cfg = Config()
     assert cfg.rollout.cpu_nice is None and cfg.rollout.engine_in_process is None
+
+
+def _nice_after(code: str) -> int:
+    """Niceness a fresh interpreter started at 15 (like a Ray worker) ends with after `code`."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(["nice", "-n", "15", sys.executable, "-c", f"import os; {code}; print(os.nice(0))"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_a_rollout_actor_renices_itself_absolutely_and_only_upwards():
+    from asyncrl.actors import rollout
+
+    assert _nice_after("from asyncrl.actors.rollout import renice; renice(19)") == 19
+    assert _nice_after("from asyncrl.actors.rollout import renice; renice(19); renice(19)") == 19  # not 38
+    assert _nice_after("from asyncrl.actors.rollout import renice; renice(10)") == 15  # never lowered
+    assert _nice_after("from asyncrl.actors.rollout import renice; renice(None)") == 15
+    assert callable(rollout.renice)
+
+
+def test_a_cpu_learner_takes_back_rays_niceness_where_it_may():
+    after = _nice_after("from asyncrl.learner.group import _raise_priority; _raise_priority()")
+    # where a process may lower its niceness (root with CAP_SYS_NICE): back to 0; otherwise
+    # unchanged, and no error
+    may = _nice_after("exec('try: os.nice(-1)\\nexcept OSError: pass')") == 14
+    assert after == (0 if may else 15)
