@@ -48,10 +48,11 @@ from asyncrl.bench.common import print_table
 from asyncrl.config import Config
 
 ACC = "guided_accuracy"
-# Per-run cost model for the printed estimate (idle 2-core machine, quick-start config, README's
-# figures): start-up, seconds per learner step, greedy evaluation seconds per row. Under load here
-# (five sessions on 2 cores) start-up took 1-3 min and a synchronous step 4.3 s on average.
-EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 45.0, 3.0, 0.025
+# Per-run cost model for the printed estimate (idle 2-core machine, quick-start config, measured
+# 2026-12-01 after the small-machine speed work): start-up, seconds per learner step (async ~1.8,
+# synchronous slower), greedy evaluation seconds per row. Under load (five sessions on 2 cores)
+# start-up took 1-3 min and a synchronous step 4.3 s on average.
+EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 35.0, 2.3, 0.025
 RETRIES = 1  # a failed run is started once more before the grid moves on
 
 
