@@ -31,9 +31,13 @@ newest full WeightStore version inside the same pause (no token is generated in 
 no store copy the engine stays paused (`unsafe`), and a mismatch that persists through the store
 reload raises `WeightIntegrityError`.
 
-vLLM's native weight-transfer API (`WeightTransferConfig`, `update_weights`) is not used: 0.32
-has no gloo engine, and its NCCL engine receives over vLLM's PyNcclCommunicator with no deadline
-or abort, i.e. without the failure bounds above; the worker-extension path is the tested one.
+Two weight paths (`rollout.weight_transfer`), the same transport, checks and safe loads:
+`extension` (default) runs a round as one `collective_rpc("asyncrl_receive_weights")`; `native`
+drives vLLM's weight-transfer API (`init_weight_transfer_engine`, `start_weight_update`,
+`update_weights`, `finish_weight_update`, `update_weight_version`) with asyncrl's transfer engine
+registered in vLLM's factory as backend "asyncrl" (`worker_extension.AsyncrlTransferEngine`). vLLM's
+own back-ends are not used: 0.32 has no gloo one, and its NCCL one receives with no deadline or
+abort, i.e. without the failure bounds above.
 
 Departure from Guided-GRPO (EasyR1): the original samples `n` copies of a request with one
 seed, the source of its seed collapse; here every sample is its own request with its own seed.
@@ -59,6 +63,7 @@ from asyncrl.weights.wire import WeightsInput
 log = logging.getLogger(__name__)
 
 EXTENSION = "asyncrl.actors.worker_extension.WeightReceiverExtension"
+NATIVE_BACKEND = "asyncrl"  # registered by EXTENSION's module in every worker (WeightTransferEngineFactory)
 
 
 @dataclass
@@ -118,6 +123,8 @@ class PolicyEngine:
         self.weight_buffered = not self.on_gpu if weight_buffered is None else weight_buffered
         self.weight_timeout_s = weight_timeout_s
         self.weight_bucket_mb = weight_bucket_mb
+        self.weight_transfer = getattr(cfg, "weight_transfer", "extension")
+        self._native_senders: set[tuple[str, str]] = set()  # (address, prefix) the native engine knows
         self.store_name = store_name
         self.vl = vl
         mm_kwargs: dict[str, Any] = {}
@@ -134,6 +141,7 @@ class PolicyEngine:
             max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
             gpu_memory_utilization=memory, worker_extension_cls=EXTENSION,
+            **({"weight_transfer_config": {"backend": NATIVE_BACKEND}} if self.weight_transfer == "native" else {}),
             logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
             # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
             # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
@@ -270,12 +278,44 @@ class PolicyEngine:
         "timeout" or "failed" (weights unchanged)."""
         timeout = timeout_s or self.weight_timeout_s
 
+        prefix = member_prefix or self.engine_id
+
         async def load() -> dict[str, Any]:
+            if self.weight_transfer == "native":
+                return await self._native_round(address, prefix, timeout, self.weight_buffered)
             return _merge_worker_results(await self.llm.collective_rpc(
                 "asyncrl_receive_weights", timeout=4 * timeout + 30,
-                args=(address, member_prefix or self.engine_id, timeout, self.weight_buffered)))
+                args=(address, prefix, timeout, self.weight_buffered)))
 
         return await self._paused(load)
+
+    async def _native_round(self, address: str, prefix: str, timeout_s: float, buffered: bool, *,
+                            close: bool = False) -> dict[str, Any]:
+        """One round through vLLM's weight-transfer API (inside a pause). The worker engine
+        records a failed round instead of raising, so `finish_weight_update` always runs (it puts
+        the previous weights back where nothing arrived); the result comes from
+        `asyncrl_native_result`. A verified round also sets vLLM's own weight version."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        info = {"address": address, "prefix": prefix, "timeout_s": timeout_s}
+        if (address, prefix) not in self._native_senders:
+            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+            self._native_senders.add((address, prefix))
+        if close:
+            self._native_senders.discard((address, prefix))
+        await self.llm.start_weight_update()
+        try:
+            await self.llm.update_weights(WeightTransferUpdateRequest(
+                update_info={**info, "buffered": buffered, "close": close}))
+        finally:
+            await self.llm.finish_weight_update()
+        out = _merge_worker_results(await self.llm.collective_rpc("asyncrl_native_result"))
+        if out["status"] == "ok":
+            await self.llm.update_weight_version(str(out["version"]))
+        return out
 
     async def announced_version(self, address: str) -> int:
         """Newest version the learner's sender at `address` has started to broadcast."""
@@ -292,15 +332,19 @@ class PolicyEngine:
         feed = LocalFeed(self.weight_member_ids(prefix), bucket_mb=self.weight_bucket_mb,
                          timeout_s=self.weight_timeout_s)
         try:
-            rpc = asyncio.ensure_future(self.llm.collective_rpc(
-                "asyncrl_receive_weights", timeout=4 * feed.timeout_s + 30,
-                args=(feed.address, prefix, feed.timeout_s)))
+            if self.weight_transfer == "native":
+                rpc = asyncio.ensure_future(self._native_round(feed.address, prefix, feed.timeout_s, True, close=True))
+            else:
+                rpc = asyncio.ensure_future(self.llm.collective_rpc(
+                    "asyncrl_receive_weights", timeout=4 * feed.timeout_s + 30,
+                    args=(feed.address, prefix, feed.timeout_s)))
             report = await asyncio.to_thread(feed.send, weights, version)
-            out = _merge_worker_results(await rpc)
+            out = await rpc if self.weight_transfer == "native" else _merge_worker_results(await rpc)
             out["bytes"] = report.bytes
             return out
         finally:
-            await self.llm.collective_rpc("asyncrl_close_receiver", args=(feed.address, prefix))
+            if self.weight_transfer != "native":  # the native round forgot it already (close=True)
+                await self.llm.collective_rpc("asyncrl_close_receiver", args=(feed.address, prefix))
             feed.close()
 
     async def load_weights_from_store(self, min_version: int | None = None) -> dict[str, Any]:

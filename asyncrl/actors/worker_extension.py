@@ -13,6 +13,19 @@ Every round is verified twice: the sampled elements that arrived against the sen
 fingerprint (exact, in the receiver), and, after the load, the model's own parameters that keep a
 checkpoint name and size against what arrived (`readback_mismatches`); a mismatch is status
 "fingerprint_mismatch" with `touched` set.
+
+Two ways in, one transport (`rollout.weight_transfer`):
+- `extension` (default): `collective_rpc("asyncrl_receive_weights")` runs one whole round in the
+  worker (receive, `model_runner.reload_weights`, verify).
+- `native`: vLLM's own weight-transfer lifecycle (`WeightTransferConfig(backend="asyncrl")`;
+  `init_weight_transfer_engine`, then per round `start_weight_update` / `update_weights` /
+  `finish_weight_update`), with `AsyncrlTransferEngine` registered in vLLM's
+  `WeightTransferEngineFactory` when this module is imported (vLLM imports the worker extension in
+  every worker before it builds the model and its transfer engine). vLLM 0.32's own back-ends are
+  not used: it has none for gloo (CPU), and its NCCL one receives over `PyNcclCommunicator` with
+  no deadline and no abort, so a learner or peer that dies mid-broadcast would hang the worker. The
+  registered engine moves the bytes with the same bounded `WeightReceiver` as the extension, so
+  both paths keep every failure bound and check, and the native one runs in the CPU tests.
 """
 
 from __future__ import annotations
@@ -20,9 +33,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from asyncrl.weights.receiver import WeightReceiver, readback_mismatches
 from asyncrl.weights.wire import NamedTensor
@@ -33,14 +53,39 @@ log = logging.getLogger(__name__)
 def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> None:
     """Load checkpoint-format (HF-named) tensors into a running vLLM model in place."""
     model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    model = model_runner.get_model()
+    retie_head(model_runner.get_model())
+
+
+def retie_head(model: Any) -> None:
+    """Tied embeddings: point `lm_head` at the (reloaded) embedding again and re-run its post-load
+    processing (the CPU build repacks the head; layer-wise reload may swap the Parameter)."""
     config = getattr(model, "config", None)
     head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
     if config is not None and getattr(config, "tie_word_embeddings", False) and head is not None \
             and hasattr(inner, "embed_tokens") and hasattr(head, "quant_method"):
-        head.weight = inner.embed_tokens.weight  # re-tie (layer-wise reload may swap the Parameter)
-        head.quant_method.process_weights_after_loading(head)  # CPU build: repack the head
+        head.weight = inner.embed_tokens.weight
+        head.quant_method.process_weights_after_loading(head)
 
+
+def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any], faults: dict[str, Any]) -> None:
+    """After an "ok" round: what the model holds against what arrived (`readback_mismatches`);
+    a mismatch turns `result` into status "fingerprint_mismatch" with `touched` set."""
+    if result["status"] != "ok":
+        return
+    if faults.get("readback", 0) > 0:  # tests: a load that silently left a wrong value
+        faults["readback"] -= 1
+        with torch.no_grad():
+            dict(model.named_parameters())["model.norm.weight"].view(-1)[:].add_(1.0)
+    t = time.perf_counter()
+    bad, checked = readback_mismatches(model, receiver.samples)
+    result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
+    if bad:
+        log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
+        result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
+
+
+def _receiver_device(device: Any) -> torch.device | None:
+    return device if isinstance(device, torch.device) and device.type == "cuda" else None
 
 
 class WeightReceiverExtension:
@@ -51,9 +96,8 @@ class WeightReceiverExtension:
         receivers = self.__dict__.setdefault("_asyncrl_receivers", {})
         key = (address, prefix)
         if key not in receivers:
-            device = getattr(self, "device", None)
-            device = device if isinstance(device, torch.device) and device.type == "cuda" else None
-            receivers[key] = WeightReceiver(address, f"{prefix}/tp{getattr(self, 'rank', 0)}", timeout_s, device)
+            receivers[key] = WeightReceiver(address, f"{prefix}/tp{getattr(self, 'rank', 0)}", timeout_s,
+                                            _receiver_device(getattr(self, "device", None)))
         return receivers[key]
 
     def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float,
@@ -63,29 +107,33 @@ class WeightReceiverExtension:
         part of the round: the caller must reload a full version before generating) and
         `fingerprint_mismatch` (tensors whose sampled elements disagree)."""
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
-        faults = self.__dict__.setdefault("_asyncrl_faults", {})
+        faults = self._asyncrl_faults()
         if faults.get("receiver"):
             receiver.fault = faults.pop("receiver")
         result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
         result.pop("tensors", None)
-        if result["status"] == "ok":
-            model = self.model_runner.get_model()
-            if faults.get("readback", 0) > 0:  # tests: a load that silently left a wrong value
-                faults["readback"] -= 1
-                with torch.no_grad():
-                    dict(model.named_parameters())["model.norm.weight"].view(-1)[:].add_(1.0)
-            t = time.perf_counter()
-            bad, checked = readback_mismatches(model, receiver.samples)
-            result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
-            if bad:
-                log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
-                result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
+        verify_load(self.model_runner.get_model(), receiver, result, faults)
         return result
+
+    def _asyncrl_faults(self) -> dict[str, Any]:
+        faults = self.__dict__.setdefault("_asyncrl_fault_box", {})
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, AsyncrlTransferEngine):
+            engine.faults = faults  # the native path sees the same injected faults
+        return faults
+
+    def asyncrl_native_result(self) -> dict[str, Any]:
+        """The native path's result of the round `finish_weight_update` just closed."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, AsyncrlTransferEngine):
+            raise RuntimeError("rollout.weight_transfer=native needs the engine built with "
+                               "WeightTransferConfig(backend='asyncrl')")
+        return engine.take_result()
 
     def asyncrl_inject_fault(self, kind: str, count: int = 1) -> None:
         """Tests only: "fail_mid_stream" / "corrupt_wire" break the next received round;
         "readback" perturbs model.norm.weight after each of the next `count` loads."""
-        faults = self.__dict__.setdefault("_asyncrl_faults", {})
+        faults = self._asyncrl_faults()
         if kind == "readback":
             faults["readback"] = count
         else:
@@ -97,3 +145,123 @@ class WeightReceiverExtension:
     def asyncrl_param_sums(self) -> dict[str, float]:
         """Sum of every parameter (tests: did the update reach the model at all)."""
         return {n: float(p.detach().double().sum()) for n, p in self.model_runner.get_model().named_parameters()}
+
+
+# ---- the native path: vLLM's weight-transfer lifecycle over asyncrl's bounded weight group ----
+NATIVE_BACKEND = "asyncrl"
+
+
+@dataclass
+class AsyncrlInitInfo(WeightTransferInitInfo):
+    """`init_weight_transfer_engine` payload: the sender and this engine's member prefix (the
+    worker's member id is `{prefix}/tp{rank}`, as on the extension path)."""
+
+    address: str
+    prefix: str
+    timeout_s: float = 60.0
+
+
+@dataclass
+class AsyncrlUpdateInfo(AsyncrlInitInfo, WeightTransferUpdateInfo):
+    """`update_weights` payload: which sender (an address not seen before joins it), the deadline
+    of each wait, buffered vs streamed loading, and `close` to forget the sender after the round
+    (the engine's one-shot loopback feeds)."""
+
+    buffered: bool = True
+    close: bool = False
+
+
+class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateInfo]):
+    """One round = `start_weight_update` (vLLM's layer-wise reload: layers to the meta device,
+    loaders wrapped) -> `update_weights` (one `WeightReceiver` round into `model.load_weights`) ->
+    `finish_weight_update` (finalise the reload, re-tie a tied head, read-back check). A failed
+    round never raises out of `update_weights`: it is recorded, so `finish_weight_update` still
+    runs and puts the previous weights back into every layer that received nothing (a failed
+    buffered round leaves the model exactly as it was; a failed streamed one is `touched`). The
+    caller reads the round's result with the extension's `asyncrl_native_result`."""
+
+    init_info_cls = AsyncrlInitInfo
+    update_info_cls = AsyncrlUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.receivers: dict[tuple[str, str], WeightReceiver] = {}
+        self.faults: dict[str, Any] = {}
+        self._round: tuple[WeightReceiver | None, dict[str, Any]] | None = None
+        self._result: dict[str, Any] | None = None
+
+    def _receiver(self, info: AsyncrlInitInfo) -> WeightReceiver:
+        key = (info.address, info.prefix)
+        if key not in self.receivers:
+            self.receivers[key] = WeightReceiver(info.address, f"{info.prefix}/tp{self.parallel_config.rank}",
+                                                 info.timeout_s, _receiver_device(self.device))
+        return self.receivers[key]
+
+    def init_transfer_engine(self, init_info: AsyncrlInitInfo) -> None:
+        self._receiver(init_info)  # joining is lazy: the first round enrols the member
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._round, self._result = None, None
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":  # the base class synchronises any accelerator; CPU has none
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: AsyncrlUpdateInfo) -> None:
+        receiver = None
+        try:
+            receiver = self._receiver(update_info)
+            if self.faults.get("receiver"):
+                receiver.fault = self.faults.pop("receiver")
+            result = receiver.receive(self._load, timeout_s=update_info.timeout_s, buffered=update_info.buffered)
+            result.pop("tensors", None)
+        except Exception as exc:  # noqa: BLE001 - e.g. the sender's store is gone: a failed round
+            log.warning("weights (native): round failed before any data: %s", exc)
+            result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "touched": False}
+        if update_info.close:
+            self.receivers.pop((update_info.address, update_info.prefix), None)
+        self._round = (receiver, result)
+
+    def _load(self, weights: Iterator[NamedTensor]) -> None:
+        try:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        except ImportError:  # pragma: no cover - not in every vLLM
+            self.model.load_weights(weights)
+            return
+        with disable_mtp_completeness_check():  # a round carries checkpoint tensors only
+            self.model.load_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        retie_head(self.model)
+        receiver, result = self._round or (None, {"status": "failed", "touched": False,
+                                                  "error": "finish_weight_update without update_weights"})
+        if receiver is not None:
+            verify_load(self.model, receiver, result, self.faults)
+        self._round, self._result = None, result
+
+    def take_result(self) -> dict[str, Any]:
+        result, self._result = self._result, None
+        if result is None:
+            raise RuntimeError("no finished weight round to report")
+        return result
+
+    def shutdown(self) -> None:
+        self.receivers.clear()
+
+
+def _register_native_engine() -> None:
+    try:
+        WeightTransferEngineFactory.register_engine(NATIVE_BACKEND, AsyncrlTransferEngine)
+    except ValueError:  # already registered (the module was imported before in this process)
+        pass
+
+
+_register_native_engine()

@@ -138,6 +138,12 @@ class RolloutConfig(Section):
     in-place reload keeps their storage valid) with gpus_per_actor > 0, True on CPU."""
     enable_prefix_caching: bool = True
     """Reuse KV of shared prefixes (multi-turn); reset after every weight update."""
+    weight_transfer: Literal["extension", "native"] = "extension"
+    """How a weight round enters the engine. `extension`: asyncrl's worker extension runs the whole
+    round (the tested default). `native`: vLLM's weight-transfer API (`init_weight_transfer_engine`,
+    `start_weight_update` / `update_weights` / `finish_weight_update`) with asyncrl's engine
+    registered in vLLM's factory (backend `asyncrl`): the same bounded gloo/NCCL group, checks and
+    safe loads. Stays opt-in until it has run on a GPU."""
     engine_in_process: bool | None = None
     """vLLM CPU build: the model worker runs inside the engine-core process (no worker process and
     no busy-polling queue between them); None = True on CPU. Ignored on GPU (`engine_env`)."""

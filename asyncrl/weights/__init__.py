@@ -5,8 +5,9 @@ Layout (one job per module):
 - `wire`: buckets, manifests, dtype names and the integrity fingerprint (pure torch, no I/O);
 - `group`: the rendezvous TCPStore, the weight process groups, bounded waits and aborts, NCCL env;
 - `sender`: `WeightSender`, rank 0's side of the membership protocol and of every round;
-- `receiver`: `WeightReceiver`, one member's side (plain torch; the vLLM worker extension that
-  loads into an engine lives with the engine, in `asyncrl.actors.worker_extension`);
+- `receiver`: `WeightReceiver`, one member's side (plain torch; what loads it into a vLLM engine
+  lives with the engine, in `asyncrl.actors.worker_extension`: the worker extension, and the
+  transfer engine registered in vLLM's factory for `rollout.weight_transfer: native`);
 - `store`: the `WeightStore` Ray actor (started explicitly by the topology), publish and fetch;
 - `local`: `LocalFeed`, the loopback path a process uses to load a store copy (or any named
   tensors) into its own engine workers over the same wire.

@@ -90,10 +90,13 @@ def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
     assert "asyncrl run summary" in proc.stdout
 
 
-def test_synchronous_run_behaviour_logprobs_match_learner(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["extension", pytest.param("native", marks=pytest.mark.slow)])
+def test_synchronous_run_behaviour_logprobs_match_learner(tmp_path: Path, path: str) -> None:
     """max_staleness=0: every trained token was sampled by the weights the learner starts the step
-    from, so the engines' logprobs (after each gloo weight sync) must equal the learner's pi_prox."""
+    from, so the engines' logprobs (after each gloo weight sync) must equal the learner's pi_prox.
+    On both weight paths into vLLM (`rollout.weight_transfer`)."""
     proc = launch(tmp_path, "trainer.experiment_name=sync", "trainer.max_steps=3", "rollout.num_actors=1",
+                  f"rollout.weight_transfer={path}",
                   "buffer.max_staleness=0", "trainer.eval_before_after=false", "learner.optim.lr=1e-3",
                   # T=1 and a step-score term: groups differ within 3 steps, so the update is real
                   "rollout.temperature=1.0", "reward.kwargs.hallucination_weight=0.2")

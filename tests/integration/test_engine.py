@@ -5,6 +5,8 @@ tokens; distinct seeds give distinct samples (and one seed reproduces); a bucket
 perturbed weights (every parameter, incl. the fused qkv / gate_up sources and the untied head)
 through the weight group makes vLLM's logprobs equal the perturbed model's and bumps the
 engine's version; a late joiner catches up from the WeightStore (Ray object store) copy.
+Every test runs on both weight paths (`rollout.weight_transfer`): the worker extension, and vLLM's
+native weight-transfer API with asyncrl's engine registered in vLLM's factory.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=["extension", "native"])
+def setup(tmp_path_factory, request):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.actors.engine import PolicyEngine
@@ -105,14 +107,15 @@ def setup(tmp_path_factory):
     else:
         path, prompt = build_tiny_qwen(tmp_path_factory.mktemp("tiny") / "policy"), PROMPT
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=16, max_num_batched_tokens=1024)
+    cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=16, max_num_batched_tokens=1024,
+                        weight_transfer=request.param)
     lt = LoopThread()
 
     async def make():
         return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30)
 
     engine = lt.run(make())
-    print(f"\nengine on {path} (prompt of {len(prompt)} tokens)")
+    print(f"\nengine on {path} (prompt of {len(prompt)} tokens, weight path {request.param})")
     yield SimpleNamespace(engine=engine, hf=hf, lt=lt, path=path, prompt=prompt)
     engine.shutdown()
     lt.loop.call_soon_threadsafe(lt.loop.stop)
@@ -179,7 +182,26 @@ def test_broadcast_perturbed_weights_into_engine(setup):
     old = max_logprob_diff(s, s.hf, gens)
     print(f"max diff vs perturbed: {diff:.2e} (vs original weights: {old:.2e})")
     assert diff < 1e-4 < old
+    if s.engine.weight_transfer == "native":  # vLLM's own version follows the verified round
+        assert s.lt.run(s.engine.llm.get_weight_version()) == "1"
     sender.close()
+
+
+def test_failed_buffered_round_leaves_the_model_exactly_as_it_was(setup):
+    # A round whose wire check fails (one element flipped where the fingerprint looks) is refused
+    # before the model sees it. On the native path vLLM's layer-wise reload was already started
+    # (every layer on the meta device): finishing it must put back the very same weights.
+    s = setup
+    before_v = s.engine.version
+    before = s.lt.run(s.engine.param_sums())
+    s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("corrupt_wire",)))
+    res = _group_update(s, perturbed(s.hf, 0.05, seed=3), before_v + 1)
+    print(f"\ncorrupted round: {res['status']} touched={res.get('touched')} error={res.get('error')}")
+    assert res["status"] == "failed" and not res["touched"] and "recovered" not in res
+    assert s.engine.version == before_v and not s.engine.unsafe
+    assert s.lt.run(s.engine.param_sums()) == before  # bit-identical, every parameter
+    assert _group_update(s, perturbed(s.hf, 0.05, seed=4), before_v + 1)["status"] == "ok"  # and goes on
+    assert s.engine.version == before_v + 1
 
 
 def test_late_joiner_catches_up_from_weight_store(setup):

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]
 
 
-def test_tied_embeddings_reach_the_head_after_update(tmp_path):
+@pytest.mark.parametrize("weight_path", ["extension", "native"])
+def test_tied_embeddings_reach_the_head_after_update(tmp_path, weight_path):
     from transformers import AutoModelForCausalLM
 
     from asyncrl.actors.engine import PolicyEngine
@@ -35,8 +36,9 @@ def test_tied_embeddings_reach_the_head_after_update(tmp_path):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(str(path), RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8), engine_id="tied",
-                            max_model_len=128, weight_timeout_s=30)
+        return PolicyEngine(str(path), RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8,
+                                                     weight_transfer=weight_path),
+                            engine_id="tied", max_model_len=128, weight_timeout_s=30)
 
     engine = lt.run(make())
     try:
