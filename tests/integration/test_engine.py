@@ -385,3 +385,21 @@ def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_pe
         res = s.lt.run(s.engine.load_weights_from_store())  # the fault is spent: a clean reload resumes
         assert res["status"] == "ok" and not s.engine.unsafe and s.engine.version == 30
         assert max_logprob_diff(s, stored, sample_many(s, 2, seed0=900)) < 1e-4
+
+
+def test_native_engine_is_registered_and_checks_its_payloads():
+    # Importing the worker-extension module (vLLM does it in every worker before it builds the
+    # model) registers asyncrl's transfer engine; a payload with a wrong key is refused by name.
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from asyncrl.actors import worker_extension as ext
+    from asyncrl.actors.engine import NATIVE_BACKEND
+
+    assert NATIVE_BACKEND == ext.NATIVE_BACKEND in WeightTransferEngineFactory._registry
+    assert WeightTransferEngineFactory._registry[ext.NATIVE_BACKEND]() is ext.AsyncrlTransferEngine
+    ext._register_native_engine()  # idempotent: a second import in the same process is fine
+    engine = object.__new__(ext.AsyncrlTransferEngine)  # parsing needs no model or device
+    info = engine.parse_update_info({"address": "127.0.0.1:1", "prefix": "e", "timeout_s": 3.0, "buffered": False})
+    assert (info.address, info.prefix, info.timeout_s, info.buffered, info.close) == ("127.0.0.1:1", "e", 3.0, False, False)
+    with pytest.raises(ValueError, match="adress"):
+        engine.parse_init_info({"adress": "127.0.0.1:1", "prefix": "e"})
