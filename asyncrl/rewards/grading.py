@@ -90,12 +90,15 @@ def deadline(seconds: float | None) -> Iterator[None]:
     not-yet-delivered one is cancelled on exit, and one that arrives while the exit runs is caught
     there. If the block keeps running after the exception was delivered (it landed in a gc callback
     or `__del__`, where CPython prints and drops exceptions, or the block swallowed it with a bare
-    `except:`), it is raised again every `_REFIRE_S` seconds, up to `_REFIRES` times.
+    `except:`), it is raised again every `_REFIRE_S` seconds, up to `_REFIRES` times. Nothing is
+    raised once the block's thread has ended (a block left without its exit, e.g. a dropped
+    unfinished generator): its ident may by then belong to a new thread.
     """
     if seconds is None or seconds <= 0:
         yield
         return
     tid = threading.get_ident()
+    owner = threading.current_thread()  # the ident alone can be reused by a new thread once this one ends
     lock = threading.Lock()
     done = threading.Event()
     fired = []
@@ -106,7 +109,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
             if done.wait(wait):
                 return
             with lock:  # the block's exit sets `done` under the same lock: no raise after it
-                if done.is_set():
+                if done.is_set() or not owner.is_alive():  # never into another thread with our ident
                     return
                 fired.append(True)
                 _set_async_exc(tid, GradingTimeout)

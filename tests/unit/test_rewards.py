@@ -350,3 +350,42 @@ def test_deadline_raises_again_when_its_exception_is_swallowed() -> None:
                     if caught == 2:
                         raise
     assert caught == 2
+
+
+def test_deadline_never_fires_into_a_new_thread_that_reuses_the_ident() -> None:
+    # A thread enters a deadline and ends without leaving it (the context manager kept alive, its
+    # exit never run). Its ident is free for the next threads; the watchdog must not raise into
+    # them. (Seen once in the full suite: a GradingTimeout inside another test's watchdog thread.)
+    from asyncrl.rewards.grading import _REFIRE_S, _REFIRES
+
+    kept = []
+
+    def enter_and_end() -> None:
+        cm = deadline(0.05)
+        cm.__enter__()
+        kept.append(cm)
+
+    t = threading.Thread(target=enter_and_end)
+    t.start()
+    t.join(5)
+    old_ident = t.ident
+    hit: list[int | None] = []
+    idents: list[int | None] = []
+
+    def victim() -> None:
+        idents.append(threading.get_ident())
+        try:
+            end = time.monotonic() + 0.05 + _REFIRE_S * (_REFIRES + 2)
+            while time.monotonic() < end:
+                pass
+        except GradingTimeout:
+            hit.append(threading.get_ident())
+
+    victims = [threading.Thread(target=victim) for _ in range(2)]
+    for v in victims:
+        v.start()
+    for v in victims:
+        v.join(30)
+    kept.clear()
+    print(f"old ident reused by a victim: {old_ident in idents}")
+    assert not hit
