@@ -40,8 +40,8 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-@pytest.fixture(scope="module")
-def eng():
+@pytest.fixture(scope="module", params=["extension", "native"])
+def eng(request):
     from types import SimpleNamespace
 
     from transformers import AutoProcessor
@@ -53,7 +53,8 @@ def eng():
     torch.set_num_threads(1)
     proc = AutoProcessor.from_pretrained(TINY_VL)
     hf = load_vl_model(str(TINY_VL)).eval()
-    cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8, max_num_batched_tokens=1024)
+    cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8, max_num_batched_tokens=1024,
+                        weight_transfer=request.param)  # both weight paths into vLLM
     lt = LoopThread()
 
     async def make():
