@@ -307,9 +307,9 @@ class PolicyEngine:
         if close:
             self._native_senders.discard((address, prefix))
         await self.llm.start_weight_update()
-        try:
-            await self.llm.update_weights(WeightTransferUpdateRequest(
-                update_info={**info, "buffered": buffered, "close": close}))
+        try:  # the receiver bounds every wait itself; this outer bound is the extension path's
+            await asyncio.wait_for(self.llm.update_weights(WeightTransferUpdateRequest(
+                update_info={**info, "buffered": buffered, "close": close})), 4 * timeout_s + 30)
         finally:
             await self.llm.finish_weight_update()
         out = _merge_worker_results(await self.llm.collective_rpc("asyncrl_native_result"))
