@@ -276,18 +276,21 @@ class PolicyEngine:
         """Take part in the learner's next weight broadcast (sender at `address`). Status "ok"
         (version updated), "not_member" (asked to rejoin; call `load_weights_from_store`),
         "timeout" or "failed" (weights unchanged)."""
-        timeout = timeout_s or self.weight_timeout_s
+        timeout, prefix = timeout_s or self.weight_timeout_s, member_prefix or self.engine_id
+        return await self._paused(lambda: self._round(address, prefix, timeout, self.weight_buffered))
 
-        prefix = member_prefix or self.engine_id
-
-        async def load() -> dict[str, Any]:
-            if self.weight_transfer == "native":
-                return await self._native_round(address, prefix, timeout, self.weight_buffered)
+    async def _round(self, address: str, prefix: str, timeout_s: float, buffered: bool, *,
+                     once: bool = False) -> dict[str, Any]:
+        """One round from the sender at `address` on the configured weight path (inside a pause),
+        merged over the tensor-parallel workers. `once`: forget that sender afterwards."""
+        if self.weight_transfer == "native":
+            return await self._native_round(address, prefix, timeout_s, buffered, close=once)
+        try:
             return _merge_worker_results(await self.llm.collective_rpc(
-                "asyncrl_receive_weights", timeout=4 * timeout + 30,
-                args=(address, prefix, timeout, self.weight_buffered)))
-
-        return await self._paused(load)
+                "asyncrl_receive_weights", timeout=4 * timeout_s + 30, args=(address, prefix, timeout_s, buffered)))
+        finally:
+            if once:
+                await self.llm.collective_rpc("asyncrl_close_receiver", args=(address, prefix))
 
     async def _native_round(self, address: str, prefix: str, timeout_s: float, buffered: bool, *,
                             close: bool = False) -> dict[str, Any]:
@@ -332,19 +335,12 @@ class PolicyEngine:
         feed = LocalFeed(self.weight_member_ids(prefix), bucket_mb=self.weight_bucket_mb,
                          timeout_s=self.weight_timeout_s)
         try:
-            if self.weight_transfer == "native":
-                rpc = asyncio.ensure_future(self._native_round(feed.address, prefix, feed.timeout_s, True, close=True))
-            else:
-                rpc = asyncio.ensure_future(self.llm.collective_rpc(
-                    "asyncrl_receive_weights", timeout=4 * feed.timeout_s + 30,
-                    args=(feed.address, prefix, feed.timeout_s)))
+            rpc = asyncio.ensure_future(self._round(feed.address, prefix, feed.timeout_s, True, once=True))
             report = await asyncio.to_thread(feed.send, weights, version)
-            out = await rpc if self.weight_transfer == "native" else _merge_worker_results(await rpc)
+            out = await rpc
             out["bytes"] = report.bytes
             return out
         finally:
-            if self.weight_transfer != "native":  # the native round forgot it already (close=True)
-                await self.llm.collective_rpc("asyncrl_close_receiver", args=(feed.address, prefix))
             feed.close()
 
     async def load_weights_from_store(self, min_version: int | None = None) -> dict[str, Any]:
