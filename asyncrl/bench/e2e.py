@@ -11,6 +11,8 @@ seconds, the staleness histogram of trained groups, reward per wall-clock second
 per step of the batch (fetched by learner rank 0) and through the driver (`perf/driver_bytes`:
 sample bytes the driver process encoded or decoded; 0 on the straight data path).
 Steady state skips the first `--warmup` steps (engine warm-up, first admissions).
+`ASYNCRL_BENCH_E2E=publish | weight_transfer` instead runs the configured job once per value of one
+key (`AB_RUNS`: publish mode sync vs background; weight path extension vs native).
 """
 
 from __future__ import annotations
@@ -92,18 +94,31 @@ def summarize(sync: dict[str, Any], asyn: dict[str, Any], steps: int, warmup: in
                               if t > 0 else 0.0}}
 
 
-def run_publish(cfg: Config, steps: int, warmup: int) -> dict[str, Any]:
-    """ASYNCRL_BENCH_E2E=publish: the configured run twice, WeightStore copy published inside the
-    broadcast (sync) vs from a background thread; step and weight-sync seconds per step."""
+# ASYNCRL_BENCH_E2E=<name>: the configured run once per value of one config key, back to back in
+# one invocation (the first value is the baseline); step and weight-sync seconds per step.
+AB_RUNS = {
+    "publish": ("learner.weights.publish_mode", ("sync", "background"),
+                "WeightStore publish inside the broadcast vs in the background"),
+    "weight_transfer": ("rollout.weight_transfer", ("extension", "native"),
+                        "weights into vLLM through the worker extension vs vLLM's native API"),
+}
+
+
+def run_ab(cfg: Config, steps: int, warmup: int, name: str) -> dict[str, Any]:
+    key, values, title = AB_RUNS[name]
+    *path, field = key.split(".")
     out: dict[str, Any] = {}
-    for mode in ("sync", "background"):
+    for value in values:
         c = cfg.model_copy(deep=True)
-        c.learner.weights.publish_mode = mode
-        out[mode] = measure(c, steps, warmup, f"publish-{mode}")
-    rows = [(f"{mode} {key}", out[mode][key]) for key in ("steps_per_s", "step_s", "weight_sync_s")
-            for mode in ("sync", "background")]
-    rows.append(("background / sync step rate", out["background"]["steps_per_s"] / out["sync"]["steps_per_s"]))
-    print_table("e2e: WeightStore publish inside the broadcast vs in the background", rows)
+        section = c
+        for part in path:
+            section = getattr(section, part)
+        setattr(section, field, value)
+        out[value] = measure(c, steps, warmup, f"{name}-{value}")
+    base, other = values
+    rows = [(f"{v} {k}", out[v][k]) for k in ("steps_per_s", "step_s", "weight_sync_s") for v in values]
+    rows.append((f"{other} / {base} step rate", out[other]["steps_per_s"] / out[base]["steps_per_s"]))
+    print_table(f"e2e: {title}", rows)
     return out
 
 
@@ -111,8 +126,11 @@ def run(cfg: Config, args) -> dict[str, Any]:
     smoke = getattr(args, "smoke", False)
     steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 3 if smoke else 12))
     warmup = 1 if smoke else 3
-    if os.environ.get("ASYNCRL_BENCH_E2E") == "publish":
-        return run_publish(cfg, steps, warmup)
+    ab = os.environ.get("ASYNCRL_BENCH_E2E")
+    if ab:
+        if ab not in AB_RUNS:
+            raise SystemExit(f"ASYNCRL_BENCH_E2E={ab!r}: expected one of {sorted(AB_RUNS)}")
+        return run_ab(cfg, steps, warmup, ab)
     staleness = max(1, cfg.buffer.max_staleness)
     sync_cfg = cfg.model_copy(deep=True)
     sync_cfg.buffer.max_staleness = 0

@@ -81,6 +81,32 @@ def _rows(times: list[float], step_s: float, wait_s: float, tokens: int, hist: l
              "buffer/staleness_hist": h, "rollout/reward_mean": 0.5} for t, h in zip(times, hist)]
 
 
+def test_e2e_ab_runs_set_their_key_per_run_and_refuse_unknown_names(monkeypatch, capsys) -> None:
+    # ASYNCRL_BENCH_E2E=weight_transfer: one run per value, in order, each with only that key
+    # changed; the table's ratio is the second run's step rate over the first's (0.5 / 0.4).
+    from asyncrl.bench import e2e
+    from asyncrl.config import load_config
+
+    seen = []
+
+    def fake_measure(cfg, steps, warmup, tag):
+        seen.append((tag, cfg.rollout.weight_transfer, cfg.learner.weights.publish_mode))
+        rate = 0.4 if cfg.rollout.weight_transfer == "extension" else 0.5
+        return {"steps_per_s": rate, "step_s": 1 / rate, "weight_sync_s": 0.1}
+
+    monkeypatch.setattr(e2e, "measure", fake_measure)
+    cfg = load_config(QUICKSTART)
+    monkeypatch.setenv("ASYNCRL_BENCH_E2E", "weight_transfer")
+    out = e2e.run(cfg, type("Args", (), {"smoke": True})())
+    publish = cfg.learner.weights.publish_mode
+    assert seen == [("weight_transfer-extension", "extension", publish), ("weight_transfer-native", "native", publish)]
+    assert set(out) == {"extension", "native"} and cfg.rollout.weight_transfer == "extension"  # cfg untouched
+    assert "1.25" in capsys.readouterr().out
+    monkeypatch.setenv("ASYNCRL_BENCH_E2E", "weights")
+    with pytest.raises(SystemExit, match="publish"):
+        e2e.run(cfg, type("Args", (), {"smoke": True})())
+
+
 def test_e2e_json_from_metrics_rows() -> None:
     from asyncrl.bench.e2e import figures, summarize
 
