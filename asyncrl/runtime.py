@@ -81,17 +81,12 @@ def ray_init(cfg: Config, namespace: str) -> None:
 def preflight(cfg: Config) -> None:
     """Checks on the live cluster before any component starts: resources (placement feasible),
     /dev/shm and interfaces of the nodes, listener addresses resolved and loudly reported when
-    they are open beyond loopback without authentication, model paths resolved once."""
+    they are open beyond loopback without authentication. The model paths were resolved and the
+    models checked against the config before Ray started (`check_models`)."""
     import ray
 
     from asyncrl.addresses import insecure_listeners, is_loopback, resolve_hosts
-    from asyncrl.cluster import (
-        interface_problems,
-        probe_nodes,
-        resolve_model_paths,
-        resource_problems,
-        shm_problems,
-    )
+    from asyncrl.cluster import interface_problems, probe_nodes, resource_problems, shm_problems
 
     where = cfg.cluster.ray_address or "embedded"
     problems = resource_problems(cfg, ray.nodes(), where)
@@ -109,14 +104,27 @@ def preflight(cfg: Config) -> None:
                     "reach it (use auto; python -m asyncrl.doctor checks this)")
     for line in insecure_listeners(cfg):
         say(f"WARNING: listening beyond loopback without authentication: {line}")
-    try:
-        resolve_model_paths(cfg)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
+
+
+def check_models(cfg: Config) -> bool:
+    """The model against the config, before Ray (asyncrl.preflight): one `error:` line per
+    problem on the console; False when the job must not start."""
+    from asyncrl.preflight import check_model, refusals
+
+    rows = check_model(cfg)
+    for line in refusals(rows):
+        echo(f"error: {line}", err=True)
+    for row in rows:
+        if row.ok and row.notice:
+            say(row.result)
+    return all(row.ok for row in rows)
 
 
 def run(cfg: Config) -> int:
-    """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files)."""
+    """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files).
+    Exit 2 when the model cannot hold the config (nothing started), else the job's status."""
+    if not check_models(cfg):
+        return 2
     run_dir = prepare_run_dir(cfg)
     with quiet_console(run_dir) as logs_dir:
         if logs_dir is not None:
@@ -135,7 +143,7 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         resume = find_resume(cfg, run_dir)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
-        with step_timer("preflight (resources, nodes, addresses, model paths)"):
+        with step_timer("preflight (resources, nodes, addresses)"):
             preflight(cfg)
         (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
         stop.install()  # after ray.init, which installs its own SIGTERM handler in the driver

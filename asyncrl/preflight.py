@@ -1,0 +1,374 @@
+"""The model against the config, in the driver, before Ray starts anything.
+
+`check_model(cfg)` resolves every model path once (asyncrl.cluster.resolve_model_paths), reads the
+policy's (and a model verifier's) `config.json` and tokenizer files, and runs every registered check.
+Each check returns rows (`Row`: one ✔/✘ line with the fix), which `python -m asyncrl.doctor` shows
+in its table and the launcher turns into one message and exit status 2 on any ✘. Reading the files
+is plain JSON (no torch, transformers or vLLM import), so a refused launch ends in about a second.
+
+The policy's context follows vLLM 0.32's own derivation (`vllm.config.model._get_and_verify_max_len`
+with `ModelArchConfigConvertor.derive_max_model_len_and_key`), on the text part of the config
+(`text_config` of a vision-language model, as `get_hf_text_config`):
+- the smallest of `max_position_embeddings`, `n_positions`, `max_seq_len`, `seq_length`,
+  `model_max_length`, `max_target_positions`, `max_sequence_length`, `max_seq_length`, `seq_len`,
+  except that a `model_max_length` of the text config wins outright (Command-R);
+- capped by the tokenizer's `model_max_length` (tokenizer_config.json of the tokenizer path);
+- times the RoPE `factor` unless the rope type is su/longrope/llama3/yarn/deepseek_yarn/
+  deepseek_llama_scaling (their `max_position_embeddings` is already scaled) or the model is gemma3;
+- a sliding window does not cap it (vLLM does so only with `disable_sliding_window`, never set here);
+- a configured `max_model_len` above it is refused unless the config's `model_max_length` allows
+  it or `VLLM_ALLOW_LONG_MAX_MODEL_LEN` is set. With none of the keys vLLM assumes 2048; here the
+  config is then read through transformers' `AutoConfig`, whose class defaults vLLM sees too.
+
+What a job asks of that context (asyncrl.actors.guided.conversation, asyncrl.actors.guided.training):
+the prompt budget `data.max_prompt_length` (P) is enforced before every policy turn by dropping old
+turns, so one engine request is at most P + `data.max_response_length` (R) tokens, and so is a
+learner sample (final_turn: the last turn's context + its response; full_turn: at most P + R by
+construction). The engine is built with `rollout.max_model_len`, derived as P + turns x (R +
+`rollout.guide.sampling.max_tokens`) unless set; a derived value longer than the model's context is
+capped to it here (P + R still fits), a configured one is refused. The verifier sees the problem and
+every policy turn, so a verifier request is at least its template + the problem (<= P) + turns x R,
+plus `rollout.guide.sampling.max_tokens` for its reply. On vLLM's CPU build (no chunked prefill) one
+sequence of `max_model_len` must fit `rollout.max_num_batched_tokens` and the KV cache
+(`rollout.cpu_kvcache_gb`).
+
+More checks plug in with `register_check(fn)`: `fn(cfg, models) -> list[Row]`, run in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config
+
+# vLLM 0.32, ModelArchConfigConvertor.derive_max_model_len_and_key: candidates, the smallest wins.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+# vLLM 0.32, _get_and_verify_max_len: rope types whose max_position_embeddings is already scaled.
+PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+# transformers' get_text_config: where a composite config keeps its text model.
+TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+KV_CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class Row:
+    """One line of the preflight: a ✔ or a ✘ with what to change."""
+
+    check: str
+    ok: bool
+    result: str
+    fix: str = ""
+    notice: bool = False  # a ✔ the launcher says aloud (something was derived differently)
+
+
+@dataclass
+class Context:
+    """A model's context length as vLLM derives it, and where the number comes from."""
+
+    tokens: int
+    source: str  # e.g. "max_position_embeddings=1024 in assets/tiny-policy/config.json"
+    allows: int = 0  # a configured max_model_len up to this passes vLLM's check (model_max_length / env)
+
+
+@dataclass
+class ModelFiles:
+    """What the checks read of one model directory: its config and its tokenizer's files."""
+
+    key: str  # the config key naming it: model.path or verifier.model_path
+    path: Path
+    tokenizer_path: Path
+    config: dict[str, Any]
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def text(self) -> dict[str, Any]:
+        """The text model's part of the config (vLLM's `hf_text_config`)."""
+        found = [self.config[n] for n in TEXT_CONFIG_NAMES if isinstance(self.config.get(n), dict)]
+        return found[0] if len(found) == 1 else self.config
+
+    @property
+    def is_vl(self) -> bool:
+        return self.config.get("model_type", "") in VL_MODEL_TYPES
+
+    def has_chat_template(self) -> bool:
+        """Where transformers looks: tokenizer_config.json's `chat_template`, chat_template.jinja,
+        chat_template.json (processors), additional_chat_templates/."""
+        t = self.tokenizer_path
+        return bool(self.tokenizer_config.get("chat_template")) or (t / "chat_template.jinja").is_file() or \
+            (t / "chat_template.json").is_file() or any((t / "additional_chat_templates").glob("*.jinja"))
+
+
+def read_model(key: str, path: str, tokenizer_path: str | None) -> ModelFiles:
+    """The config of a local model directory (already resolved); ValueError naming `key` if unreadable."""
+    directory = Path(path)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{key}={path}: no readable config.json ({type(exc).__name__}: {exc})") from None
+    tok = Path(tokenizer_path or path)
+    try:
+        tok_cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok_cfg = {}
+    return ModelFiles(key, directory, tok, config, tok_cfg)
+
+
+def model_context(model: ModelFiles) -> Context:
+    """The model's context length, derived as vLLM 0.32 derives it (see the module docstring)."""
+    text = model.text
+    where = f"in {model.path}/config.json"
+    tokens, key = float("inf"), None
+    for name in CONTEXT_KEYS:
+        value = text.get(name)
+        if isinstance(value, (int, float)) and value < tokens:
+            tokens, key = value, name
+    if isinstance(text.get("model_max_length"), (int, float)) and text["model_max_length"]:
+        tokens, key = text["model_max_length"], "model_max_length"
+    if key is None:  # class defaults fill the keys: read them the way vLLM does
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(model.path)).get_text_config()
+        text = {**hf.to_dict(), **text}
+        return model_context(ModelFiles(model.key, model.path, model.tokenizer_path,
+                                        {**model.config, "text_config": text}, model.tokenizer_config))
+    source = f"{key}={tokens:g} {where}"
+    tok_max = model.tokenizer_config.get("model_max_length")
+    if isinstance(tok_max, (int, float)) and tok_max < tokens:
+        tokens, source = tok_max, f"model_max_length={tok_max:g} in {model.tokenizer_path}/tokenizer_config.json"
+    factor = rope_factor(text, model.config.get("model_type", ""))
+    if factor != 1.0:
+        tokens, source = tokens * factor, f"{source} x RoPE factor {factor:g}"
+    allows = int(text.get("model_max_length") or 0)
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() in ("1", "true"):
+        allows = 1 << 40
+    return Context(int(tokens), source, allows)
+
+
+def rope_factor(text: dict[str, Any], model_type: str) -> float:
+    """vLLM's scaling of the derived length: the last `factor` of the rope parameters whose type
+    is not pre-scaled (transformers' `rope_parameters`, or a legacy `rope_scaling`)."""
+    params = text.get("rope_parameters") or text.get("rope_scaling")
+    if not isinstance(params, dict) or not params or "gemma3" in model_type:
+        return 1.0
+    nested = all(isinstance(v, dict) for v in params.values())
+    factor = 1.0
+    for p in (params.values() if nested else [params]):
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type not in PRESCALED_ROPE:
+            factor = p.get("factor", factor)
+    return 1.0 if factor is None else float(factor)
+
+
+def max_model_len_error(model: ModelFiles, ctx: Context, key: str, value: int) -> str | None:
+    """vLLM's refusal of a configured max_model_len, phrased for the config key, or None."""
+    if value <= ctx.tokens or (ctx.allows and value <= ctx.allows):
+        return None
+    return (f"{key}={value} exceeds the context of {model.key}={model.path}: {ctx.tokens} tokens "
+            f"({ctx.source})")
+
+
+# ------------------------------------------------------------------------------------- registry
+Check = Callable[[Config, dict[str, ModelFiles]], list[Row]]
+CHECKS: list[Check] = []
+
+
+def register_check(check: Check) -> Check:
+    """Add a check to every preflight (launcher and doctor); returns it (usable as a decorator).
+    A check gets the config and the models read (`policy`, and `verifier` for a model verifier)
+    and returns its rows; raising is a bug, not a ✘."""
+    CHECKS.append(check)
+    return check
+
+
+def check_model(cfg: Config) -> list[Row]:
+    """Every registered check's rows, after resolving the model paths in `cfg` (in place)."""
+    from asyncrl.cluster import resolve_model_paths
+
+    try:
+        resolve_model_paths(cfg)
+        models = {"policy": read_model("model.path", cfg.model.path, cfg.model.tokenizer_path)}
+        if cfg.verifier.backend == "vllm" and cfg.verifier.model_path:
+            models["verifier"] = read_model("verifier.model_path", cfg.verifier.model_path,
+                                            cfg.verifier.tokenizer_path)
+    except ValueError as exc:
+        return [Row("model files", False, str(exc), "point the key at a model directory (config.json, tokenizer)")]
+    rows = [Row("model files", True, ", ".join(f"{m.key}={m.path}" for m in models.values()))]
+    for check in CHECKS:
+        rows += check(cfg, models)
+    return rows
+
+
+def refusals(rows: list[Row]) -> list[str]:
+    """One line per ✘ row: what is wrong, with the numbers and keys, and the fix."""
+    return [f"{r.result}{f' -> {r.fix}' if r.fix else ''}" for r in rows if not r.ok]
+
+
+# ------------------------------------------------------------------------------------- checks
+def derived_max_model_len(cfg: Config) -> int:
+    """`rollout.max_model_len` as the config derives it when unset (asyncrl.config.schema)."""
+    d, g = cfg.data, cfg.rollout.guide
+    turns = g.max_turns if g.enable else 1
+    return d.max_prompt_length + turns * (d.max_response_length + g.sampling.max_tokens)
+
+
+@register_check
+def check_policy_context(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """P + R against the policy's context; the engine's max_model_len against it (a derived one
+    is capped to it, a configured one is refused)."""
+    policy, d, r = models["policy"], cfg.data, cfg.rollout
+    ctx = model_context(policy)
+    need = d.max_prompt_length + d.max_response_length
+    fits = need <= ctx.tokens
+    rows = [Row("policy context", fits,
+                f"data.max_prompt_length + data.max_response_length = {d.max_prompt_length} + {d.max_response_length} = "
+                f"{need} tokens (the longest policy turn and learner sample) {'fits' if fits else 'exceeds'}"
+                f" the context of {policy.key}={policy.path}: {ctx.tokens} tokens "
+                f"({ctx.source})",
+                "" if fits else f"lower data.max_prompt_length + data.max_response_length to at most {ctx.tokens}, "
+                "or use a model with a longer context")]
+    derived = derived_max_model_len(cfg)
+    error = max_model_len_error(policy, ctx, "rollout.max_model_len", r.max_model_len)
+    how = (f" (derived: data.max_prompt_length + rollout.guide.max_turns x (data.max_response_length + "
+           f"rollout.guide.sampling.max_tokens) = {derived})" if r.max_model_len == derived else "")
+    if error and fits and r.max_model_len == derived:
+        rows.append(Row("engine max_model_len", True, f"rollout.max_model_len{how} capped to the model's "
+                        f"{ctx.tokens} tokens (a policy turn needs at most {need})", notice=True))
+        r.max_model_len = ctx.tokens
+    elif error:
+        fix = (f"set rollout.max_model_len to at most {ctx.tokens} (a policy turn needs data.max_prompt_length + "
+               f"data.max_response_length = {need})" if fits else "it follows once the lengths above fit")
+        rows.append(Row("engine max_model_len", False, error + how, fix))
+    else:
+        rows.append(Row("engine max_model_len", True, f"rollout.max_model_len={r.max_model_len}{how} <= {ctx.tokens}"))
+    return rows
+
+
+@register_check
+def check_engine_budget(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """vLLM's scheduler checks (SchedulerConfig.verify_max_model_len) and, on its CPU build, one
+    `max_model_len` sequence's KV cache against `rollout.cpu_kvcache_gb`."""
+    r = cfg.rollout
+    problems = []
+    if r.gpus_per_actor == 0 and r.max_num_batched_tokens < r.max_model_len:  # CPU: no chunked prefill
+        problems.append(f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} is below one sequence: "
+                        f"rollout.max_model_len={r.max_model_len} (vLLM's CPU build runs without chunked prefill)")
+    if r.max_num_batched_tokens < r.max_num_seqs:
+        problems.append(f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} is below "
+                        f"rollout.max_num_seqs={r.max_num_seqs}")
+    rows = [Row("engine token budget", not problems, "; ".join(problems) or
+                f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} holds one sequence "
+                f"(max_model_len {r.max_model_len}) and max_num_seqs {r.max_num_seqs}",
+                "raise rollout.max_num_batched_tokens or lower rollout.max_model_len / rollout.max_num_seqs"
+                if problems else "")]
+    if r.gpus_per_actor == 0:
+        rows.append(_cpu_kv_cache_row(cfg, models["policy"]))
+    return rows
+
+
+def _cpu_kv_cache_row(cfg: Config, policy: ModelFiles) -> Row:
+    """KV bytes of one max_model_len sequence (2 x layers x kv heads x head dim x dtype bytes per
+    token, no block rounding: a lower bound) against VLLM_CPU_KVCACHE_SPACE (whole GiB, >= 1)."""
+    t = policy.text
+    heads = t.get("num_attention_heads") or 0
+    layers, kv_heads = t.get("num_hidden_layers") or 0, t.get("num_key_value_heads") or heads
+    head_dim = t.get("head_dim") or ((t.get("hidden_size") or 0) // heads if heads else 0)
+    dtype = cfg.rollout.engine_dtype
+    per_token = 2 * layers * kv_heads * head_dim * KV_CACHE_DTYPE_BYTES.get(dtype, 4)
+    space = int(max(1, cfg.rollout.cpu_kvcache_gb))  # what asyncrl.cluster.job_runtime_env exports
+    need = per_token * cfg.rollout.max_model_len
+    ok = need <= space * 2**30
+    return Row("CPU KV cache", ok, f"one sequence of rollout.max_model_len={cfg.rollout.max_model_len} needs "
+               f"{need / 2**30:.3f} GiB ({per_token} B/token in {dtype}), rollout.cpu_kvcache_gb gives {space} GiB",
+               "" if ok else "raise rollout.cpu_kvcache_gb or lower rollout.max_model_len")
+
+
+@register_check
+def check_chat_templates(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """The rollout renders every prompt and user turn with the policy tokenizer's chat template
+    (asyncrl.actors.guided.chat); a vllm verifier applies its own tokenizer's."""
+    rows = []
+    for role, model in models.items():
+        key = "model.tokenizer_path" if role == "policy" else "verifier.tokenizer_path"
+        ok = model.has_chat_template()
+        note = ("; data.override_chat_template is applied by the data filter only, not by the rollout"
+                if role == "policy" and cfg.data.override_chat_template and not ok else "")
+        rows.append(Row(f"{role} chat template", ok,
+                        f"{model.tokenizer_path}: {'has a chat template' if ok else 'no chat template'}{note}",
+                        "" if ok else f"add chat_template.jinja to {model.tokenizer_path}, or set {key} to a "
+                        "tokenizer with one"))
+    return rows
+
+
+VISION_KEYS = (("rollout", "limit_images"), ("model", "freeze_vision_tower"), ("data", "image_dir"),
+               ("data", "min_pixels"), ("data", "max_pixels"))
+
+
+@register_check
+def check_vision(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """Vision settings need a vision-language policy; a vision-language policy needs
+    `rollout.guide.history=full` (processor-made prompt ids, asyncrl.actors.rollout)."""
+    policy = models["policy"]
+    kind = policy.config.get("model_type", "?")
+    if not policy.is_vl:
+        set_keys = [f"{s}.{k}={getattr(getattr(cfg, s), k)}" for s, k in VISION_KEYS
+                    if k in getattr(cfg, s).model_fields_set and getattr(getattr(cfg, s), k)]
+        return [Row("vision settings", not set_keys,
+                    f"{policy.key}={policy.path} is a text model (model_type {kind})"
+                    + (f" but vision keys are set: {', '.join(set_keys)}" if set_keys else ""),
+                    f"remove them, or use a vision-language model ({', '.join(VL_MODEL_TYPES)})" if set_keys else "")]
+    history = cfg.rollout.guide.history
+    ok = history == "full"
+    return [Row("vision settings", ok, f"{policy.key}={policy.path} is a vision-language model (model_type {kind})"
+                + ("" if ok else f" but rollout.guide.history={history}"),
+                "" if ok else "set rollout.guide.history=full (images need the processor's token ids kept)")]
+
+
+@register_check
+def check_verifier_context(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """A model verifier: `verifier.max_model_len` within its model's context, and room for its
+    template + one full policy turn + its reply (the smallest request a full-length turn makes);
+    the longest conversation's request is reported."""
+    model = models.get("verifier")
+    if model is None:
+        return []
+    v, d, g = cfg.verifier, cfg.data, cfg.rollout.guide
+    ctx = model_context(model)
+    error = max_model_len_error(model, ctx, "verifier.max_model_len", v.max_model_len)
+    rows = [Row("verifier context", error is None, error or f"verifier.max_model_len={v.max_model_len} <= "
+                f"{ctx.tokens} ({ctx.source})", f"set verifier.max_model_len to at most {ctx.tokens}" if error else "")]
+    template = verifier_template_tokens(cfg, model)
+    least = template + d.max_response_length + g.sampling.max_tokens
+    turns = g.max_turns if g.enable else 1
+    most = template + d.max_prompt_length + turns * d.max_response_length + g.sampling.max_tokens
+    ok = least <= v.max_model_len
+    rows.append(Row("verifier request", ok,
+                    f"one full policy turn needs {least} tokens (template {template} + data.max_response_length "
+                    f"{d.max_response_length} + rollout.guide.sampling.max_tokens {g.sampling.max_tokens}); the "
+                    f"longest conversation up to {most} (+ problem <= data.max_prompt_length, x rollout.guide."
+                    f"max_turns {turns}); verifier.max_model_len={v.max_model_len}"
+                    + ("" if most <= v.max_model_len or not ok else ": longer requests get a 400 (verifier_error)"),
+                    "" if ok else f"raise verifier.max_model_len to at least {least} (the model's context is "
+                    f"{ctx.tokens}), or lower data.max_response_length / rollout.guide.sampling.max_tokens"))
+    return rows
+
+
+def verifier_template_tokens(cfg: Config, model: ModelFiles) -> int:
+    """Tokens of the verifier's prompt with an empty problem and no turns, counted with the
+    verifier's tokenizer.json (`tokenizers`, no transformers import); 0 when it has none."""
+    path = model.tokenizer_path / "tokenizer.json"
+    if not path.is_file():
+        return 0
+    from tokenizers import Tokenizer
+
+    from asyncrl.actors.guided.verifier_io import render_verifier_messages
+
+    messages = render_verifier_messages("", None, [], cfg.rollout.guide.prompt_template)
+    return len(Tokenizer.from_file(str(path)).encode("\n".join(m["content"] for m in messages),
+                                                    add_special_tokens=False).ids)
