@@ -1,7 +1,9 @@
 """`python -m asyncrl.doctor --config X.yaml [key=value ...]`: preflight of a cluster for a job.
 
-Joins the cluster the config names (or starts the embedded single-host one, as the launcher
-does), then checks, each as one row of a ✔/✘ table with the fix for every ✘:
+First the model against the config, as the launcher does before Ray (asyncrl.preflight: context
+lengths, engine token budget, KV cache, chat templates, vision settings, every registered check).
+Then it joins the cluster the config names (or starts the embedded single-host one, as the launcher
+does) and checks, each as one row of a ✔/✘ table with the fix for every ✘:
 - Ray connection and token authentication (`RAY_AUTH_MODE`) of the driver and every node;
 - the nodes' CPUs / GPUs / custom resources against what the roles ask (placement feasible);
 - /dev/shm on nodes that can host an engine or a learner rank, and the collectives' interface;
@@ -22,20 +24,12 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncrl.cli import add_config_args, config_from_args
 from asyncrl.config import Config
-
-
-@dataclass
-class Row:
-    check: str
-    ok: bool
-    result: str
-    fix: str = ""
+from asyncrl.preflight import Row, check_model
 
 
 class Probe:
@@ -341,6 +335,7 @@ class Doctor:
 
         from asyncrl.addresses import resolve_hosts
 
+        self.rows += check_model(self.cfg)  # before Ray, as the launcher
         try:
             if self.connect():
                 resolve_hosts(self.cfg)

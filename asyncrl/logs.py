@@ -128,6 +128,14 @@ def redirect_output(role: str) -> Path | None:
     return path
 
 
+def role_log_file() -> Path | None:
+    """This process's log file once `redirect_output` sent it there; None otherwise (verbose mode,
+    outside a job): then its output, tracebacks included, is on the console."""
+    if _redirected is None:
+        return None
+    return Path(os.environ[LOG_DIR_ENV]) / f"{_redirected}.log"
+
+
 def _install_root_handlers(console: logging.Handler) -> None:
     """Root: every record to stderr (now the role's file) + `console` for what needs the user;
     `asyncrl.*` at INFO (its records reach the root's handlers)."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
+import traceback
 from pathlib import Path
 
 from asyncrl.config import Config
@@ -165,7 +167,9 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         finally:
             trainer.close()  # before the topology goes: nothing of the run is left to the GC
     except StartupError as exc:
-        echo(f"error: {exc}", err=True)
+        echo(f"error: {exc}", err=True)  # one line, first; the traceback below goes to driver.log when quiet
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         return 1
     finally:
         if topo is not None:

@@ -76,7 +76,14 @@ class RolloutWorker:
     # ---------------------------------------------------------------- start-up
     async def start(self) -> dict[str, Any]:
         """Build the engine (from `model.path`, i.e. version 0), the verifier client and the reward
-        function; a restarted or late actor then loads the newest published weights."""
+        function; a restarted or late actor then loads the newest published weights. A failure is
+        one line for the driver, its traceback in this actor's log (asyncrl.startup.starting)."""
+        from asyncrl.startup import starting
+
+        with starting(f"rollout actor {self.actor_id}"):
+            return await self._start()
+
+    async def _start(self) -> dict[str, Any]:
         import ray
         from transformers import AutoTokenizer
 

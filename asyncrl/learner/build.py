@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import Config, LearnerConfig
+from asyncrl.learner.ops import pin_toolchain
 
 __all__ = ["build_ds_config", "lr_factor", "Distributed", "init_distributed", "PolicyModels", "load_policy",
            "TrainEngine", "build_engine"]
@@ -81,6 +82,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                       MASTER_PORT=str(master_port), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
+    pin_toolchain()  # one ninja for every process: no JIT op rebuild between environments (ops.py)
     import deepspeed  # after DS_ACCELERATOR is set
     import torch.distributed as dist
 

@@ -56,7 +56,13 @@ class VLLMVerifier(VerifierReplica):
     backend = "vllm"
 
     def __init__(self, cfg: dict[str, Any]):
+        from asyncrl.startup import starting
+
         super().__init__(cfg)
+        with starting(f"verifier replica ({self.backend}, {self.version})"):
+            self._build_engine()
+
+    def _build_engine(self) -> None:
         import torch
         from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
