@@ -1,7 +1,13 @@
 """`python -m asyncrl.launch --config X.yaml [key.sub=value ...]`: run an asyncrl training job.
 
+A Guided-GRPO recipe runs with only the module changed:
+`python -m asyncrl.launch config=examples/config.yaml worker.actor.model.model_path=... [asyncrl keys]`
+(asyncrl.cli: the original's overrides are converted with its YAML; asyncrl's keys follow and win).
+
 The config is parsed and validated before anything heavy is imported, so `--help`,
-`--print-config` and config errors answer at once (exit status 2 for a config error).
+`--print-config` and config errors answer at once (exit status 2 for a config error). A config
+that trains by epochs (`trainer.total_epochs`, `max_steps` null) gets its step count once the
+training rows are loaded, printed before the job starts.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from asyncrl.cli import add_config_args, config_from_args
+from asyncrl.cli import add_config_args, config_from_args, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     cfg = config_from_args(args, require_files=not args.print_config)
     if args.print_config:
+        if cfg.trainer.max_steps is None:
+            print(f"note: trainer.max_steps is derived at launch: {cfg.trainer.total_epochs} epochs x "
+                  f"(rows of {cfg.data.train_files} // data.rollout_batch_size {cfg.data.rollout_batch_size})",
+                  file=sys.stderr)
         print(cfg.to_json())
         return 0
+    if cfg.trainer.max_steps is None:
+        from asyncrl.data import derive_max_steps  # loads the rows (datasets, the tokenizer)
+
+        try:
+            print(derive_max_steps(cfg), file=sys.stderr)
+        except ValueError as exc:
+            fail(str(exc))
     if args.verbose:
         import os
 

@@ -10,7 +10,7 @@ import sys
 
 from pydantic import BaseModel
 
-from asyncrl.config import GUIDED_GRPO_KEY_MAP, REMOVED_KEYS, Config
+from asyncrl.config import KEY_FATES, Config
 
 
 def _submodel(annotation) -> type[BaseModel] | None:
@@ -44,22 +44,25 @@ def main() -> None:
            "as YAML). Unknown keys are errors that suggest the closest valid key; cross-field rules are checked",
            "before anything starts; the resolved config is written to `runs/<experiment>/config.resolved.json`."]
     walk(Config, "", out)
-    out += ["", "## Guided-GRPO YAMLs", "",
-            "`python -m asyncrl.launch --config-format guided_grpo --config their.yaml` (or",
-            "`asyncrl.config.from_guided_grpo(path)`) maps the original's keys as below. Keys marked *(none)* have",
-            "no equivalent in the asynchronous design (FSDP, hybrid engine, critic, ...): they are listed by name",
-            "in a warning when the file is loaded, never dropped silently. Value conversions: `disable_kl` is",
-            "negated into `learner.kl.enable`; `use_kl_loss: true/false` becomes `learner.kl.mode: loss/reward`;",
-            "`kl_penalty` kl/abs/mse/low_var_kl becomes k1/abs/k2/k3; `loss_type: default` becomes `ppo`;",
-            "`use_http: true/false` becomes `verifier.backend: http/vllm`; logger `file` becomes `jsonl`;",
-            "a reward file without `:fn` gets the original's default function name `main`.", "",
-            "| Guided-GRPO key | asyncrl key |", "|---|---|"]
-    for src, dst in GUIDED_GRPO_KEY_MAP.items():
-        target = f"`{dst}`" if dst else f"*(removed: {REMOVED_KEYS[src]})*" if src in REMOVED_KEYS else "*(none)*"
-        out.append(f"| `{src}` | {target} |")
-    out.append("| `worker.ref.*`, `worker.critic.*`, `worker.actor.fsdp.*`, `worker.actor.offload.*`, "
-               "`worker.hybrid_engine`, `worker.actor.{strategy,padding_free,dynamic_batching,ulysses_size,"
-               "use_torch_compile}` | *(none)* |")
+    out += ["", "## Guided-GRPO recipes: every original key and its fate", "",
+            "`python -m asyncrl.launch config=their.yaml key=value ...` (the original's command line with only the",
+            "module changed; also `--config their.yaml`, or `--config-format guided_grpo`) and",
+            "`python -m asyncrl.migrate their.yaml ... -o job.yaml` convert a recipe with one converter",
+            "(`asyncrl/config/guided_grpo.py`; docs/guided_grpo.md#coming-from-guided-grpo). Keys absent from the",
+            "recipe take the original's defaults. Overrides in the original's namespace are converted with the YAML;",
+            "asyncrl keys given after them win. Fates: **maps** (same value, the asyncrl key shown), **derived**",
+            "(asyncrl computes its keys from it, printed at launch and commented by `asyncrl.migrate`), **ignored**",
+            "(no effect in an asynchronous system), **changed** (kept, with a different meaning, said how),",
+            "**unsupported** (warned, with what to do), **error** (a value asyncrl cannot honour: exit status 2).",
+            "Warned keys are reported once, grouped. A key the original does not have is an error that suggests",
+            "the closest original key.", "",
+            "| Guided-GRPO key | fate | asyncrl |", "|---|---|---|"]
+    order = ("data.", "algorithm.", "worker.actor.", "worker.ref", "worker.critic", "worker.reward.", "worker.rollout.",
+             "worker.", "trainer.")
+    for src, fate in sorted(KEY_FATES.items(), key=lambda kv: next(i for i, p in enumerate(order)
+                                                                   if kv[0].startswith(p))):
+        target = f"`{fate.target}`" if fate.kind == "maps" else fate.target.replace("|", "\\|")
+        out.append(f"| `{src}` | {fate.kind} | {target} |")
     sys.stdout.write("\n".join(out) + "\n")
 
 

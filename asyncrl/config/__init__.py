@@ -6,8 +6,9 @@ Layout:
 - `roles`: the per-role sections (rollout with the guided protocol, verifier, buffer, learner);
 - `schema`: the root `Config`, its cross-field rules and derived values;
 - `tree`: nested-dict helpers (`set_dotted`, `deep_merge`, `read_yaml`);
-- `loading`: defaults < YAML file < dotted overrides (`load_config`), and `from_guided_grpo`;
-- `guided_grpo`: the Guided-GRPO key map and converter (reached only through `from_guided_grpo`).
+- `loading`: defaults < YAML file < dotted overrides (`load_config`), and `load_guided_grpo`;
+- `guided_grpo`: every Guided-GRPO key's fate and the converter (reached only through `load_guided_grpo`);
+- `role_split`: the rule sharing a Guided-GRPO recipe's GPUs among asyncrl's roles.
 
 Importing this package imports no torch, ray or vllm (a unit test checks it), so `--help` and
 `--print-config` answer at once. Every name below can be imported from `asyncrl.config`.
@@ -15,8 +16,15 @@ Importing this package imports no torch, ray or vllm (a unit test checks it), so
 
 from __future__ import annotations
 
-from asyncrl.config.guided_grpo import GUIDED_GRPO_KEY_MAP, REMOVED_KEYS
-from asyncrl.config.loading import build_config, check_files, from_guided_grpo, load_config, parse_overrides
+from asyncrl.config.guided_grpo import GUIDED_GRPO_KEY_MAP, KEY_FATES
+from asyncrl.config.loading import (
+    build_config,
+    check_files,
+    from_guided_grpo,
+    load_config,
+    load_guided_grpo,
+    parse_overrides,
+)
 from asyncrl.config.roles import (
     AutoscalingConfig,
     BufferConfig,
@@ -57,7 +65,7 @@ from asyncrl.config.tree import deep_merge, read_yaml, set_dotted
 __all__ = [
     "CLUSTER_ROLES",
     "GUIDED_GRPO_KEY_MAP",
-    "REMOVED_KEYS",
+    "KEY_FATES",
     "AlgorithmConfig",
     "AutoscalingConfig",
     "BufferConfig",
@@ -91,6 +99,7 @@ __all__ = [
     "learner_device_defaults",
     "rollout_cpu_nice",
     "from_guided_grpo",
+    "load_guided_grpo",
     "load_config",
     "parse_overrides",
     "read_yaml",

@@ -2,9 +2,9 @@
 
 `load_config` turns pydantic's errors into one short message that names the full key path, the
 expected type and the given value, and suggests the closest valid key for a typo. Guided-GRPO
-YAMLs (`data.*`, `algorithm.*`, `worker.*`, `trainer.*`) load through `from_guided_grpo`, the one
-route into the converter of `asyncrl.config.guided_grpo`: keys with no equivalent are reported
-by name, with what to do where asyncrl removed the behaviour (docs/guided_grpo.md#config-keys).
+recipes (`data.*`, `algorithm.*`, `worker.*`, `trainer.*`, with overrides in the original's
+namespace) load through `load_guided_grpo`, the one route into the converter of
+`asyncrl.config.guided_grpo`; asyncrl's own overrides follow and win.
 """
 
 from __future__ import annotations
@@ -18,12 +18,20 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from asyncrl.config.guided_grpo import convert_guided_grpo, describe_unmapped
+from asyncrl.config.guided_grpo import (
+    Conversion,
+    convert_guided_grpo,
+    is_guided_grpo_tree,
+    is_original_key,
+    suggest_original_key,
+)
+from asyncrl.config.role_split import roles_gpus
 from asyncrl.config.schema import Config
 from asyncrl.config.sections import ConfigError
 from asyncrl.config.tree import deep_merge, read_yaml, set_dotted
 
-__all__ = ["build_config", "check_files", "from_guided_grpo", "load_config", "parse_overrides"]
+__all__ = ["asyncrl_key_exists", "build_config", "check_files", "from_guided_grpo", "is_guided_grpo_file",
+           "load_config", "load_guided_grpo", "parse_overrides", "recipe_tree", "split_recipe_overrides"]
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -98,7 +106,7 @@ def load_config(
     config_format: Literal["asyncrl", "guided_grpo"] = "asyncrl",
 ) -> Config:
     """Defaults < YAML file < dotted overrides. Raises ConfigError with a user-facing message.
-    `config_format="guided_grpo"` reads the file as a Guided-GRPO YAML (`from_guided_grpo`)."""
+    `config_format="guided_grpo"` reads the file as a Guided-GRPO recipe (`from_guided_grpo`)."""
     tree: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -142,20 +150,98 @@ def check_files(cfg: Config) -> list[str]:
     return missing
 
 
+def asyncrl_key_exists(key: str) -> bool:
+    """Whether dotted `key` names a field of asyncrl's config (any sub-key of a dict-valued field)."""
+    model: Any = Config
+    for part in key.split("."):
+        if model is None:
+            return True  # inside a dict-valued field (cluster.resources, reward.kwargs, ...)
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        ann = field.annotation
+        model = next((c for c in (ann, *getattr(ann, "__args__", ()))
+                      if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return True
+
+
+def _asyncrl_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = next((c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        keys += _asyncrl_keys(sub, f"{prefix}{name}.") if sub else [prefix + name]
+    return keys
+
+
+def split_recipe_overrides(items: list[str]) -> tuple[list[str], list[str]]:
+    """Overrides after a Guided-GRPO recipe -> (those in the original's namespace, asyncrl's own).
+    A key the original has is read in the original's meaning (converted with the recipe); any other
+    key must be asyncrl's and wins over the conversion. A key in neither is a ConfigError that
+    suggests the closest key, from the original's namespace first."""
+    original, native, problems = [], [], []
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if is_original_key(key):
+            original.append(item)
+        elif asyncrl_key_exists(key):
+            native.append(item)
+        else:
+            close = suggest_original_key(key)
+            if close:
+                problems.append(f"unknown key '{key}'; did you mean '{close}' (Guided-GRPO)?")
+            else:
+                hint = difflib.get_close_matches(key, _asyncrl_keys(), n=1, cutoff=0.6)
+                problems.append(f"unknown key '{key}'" + (f"; did you mean '{hint[0]}'?" if hint else
+                                                         " (neither a Guided-GRPO nor an asyncrl key)"))
+    if problems:
+        raise ConfigError("invalid overrides:\n  " + "\n  ".join(problems))
+    return original, native
+
+
+def recipe_tree(path_or_tree: str | os.PathLike[str] | dict[str, Any],
+                overrides: list[str] | None = None) -> tuple[dict[str, Any], Conversion, list[str]]:
+    """A Guided-GRPO recipe as an asyncrl config tree (before validation): the YAML (a path or its
+    parsed tree), then the overrides in the original's namespace, converted together by
+    `asyncrl.config.guided_grpo.convert_guided_grpo`, then asyncrl's own overrides, which win.
+    Returns (tree, the Conversion, the asyncrl keys the overrides set)."""
+    tree = path_or_tree if isinstance(path_or_tree, dict) else read_yaml(path_or_tree)
+    original, native = split_recipe_overrides(list(overrides or []))
+    if original:
+        tree = deep_merge(tree, parse_overrides(original))
+    native_keys = [item.split("=", 1)[0].strip() for item in native]
+    conv = convert_guided_grpo(tree, fixed=frozenset(native_keys))
+    return deep_merge(conv.tree, parse_overrides(native)), conv, native_keys
+
+
+def load_guided_grpo(path_or_tree: str | os.PathLike[str] | dict[str, Any],
+                     overrides: list[str] | None = None) -> tuple[Config, Conversion]:
+    """The one route from a Guided-GRPO recipe to a Config (`recipe_tree`, validated). Returns the
+    Config and the Conversion (derivations and grouped warnings, for the caller to show once).
+    ConfigError names the key at fault."""
+    tree, conv, _ = recipe_tree(path_or_tree, overrides)
+    cfg = build_config(tree, "Guided-GRPO recipe" + (" + overrides" if overrides else ""))
+    used = sum(roles_gpus(cfg).values())
+    if conv.recipe_gpus and used > conv.recipe_gpus:
+        raise ConfigError(f"the roles ask for {used:g} GPUs but the recipe has {conv.recipe_gpus} "
+                          "(trainer.nnodes x trainer.n_gpus_per_node); lower learner.num_gpus / rollout.num_actors")
+    cfg._unmapped_keys = conv.warned_keys
+    return cfg, conv
+
+
+def is_guided_grpo_file(path: str | os.PathLike[str]) -> bool:
+    """Whether a YAML file is written in the original's shape (`is_guided_grpo_tree`)."""
+    return is_guided_grpo_tree(read_yaml(path))
+
+
 def from_guided_grpo(path_or_tree: str | os.PathLike[str] | dict[str, Any], overrides: list[str] | None = None,
                      strict: bool = False) -> Config:
-    """Load a YAML written for Guided-GRPO (a path, or its already parsed tree), then apply asyncrl
-    dotted overrides. Keys with no equivalent are reported by name in a warning (an error when
-    `strict`), never dropped silently; they are also kept on the result (`_unmapped_keys`)."""
-    tree = path_or_tree if isinstance(path_or_tree, dict) else read_yaml(path_or_tree)
-    converted, unmapped = convert_guided_grpo(tree)
-    if unmapped:
-        msg = describe_unmapped(unmapped)
+    """Library form of `load_guided_grpo`: the keys asyncrl does not take as they are become one
+    UserWarning (a ConfigError when `strict`), and are kept on the result (`_unmapped_keys`)."""
+    cfg, conv = load_guided_grpo(path_or_tree, overrides)
+    message = conv.message()
+    if message:
         if strict:
-            raise ConfigError(msg)
-        warnings.warn(msg, stacklevel=2)
-    if overrides:
-        converted = deep_merge(converted, parse_overrides(overrides))
-    cfg = build_config(converted, "guided_grpo")
-    cfg._unmapped_keys = unmapped
+            raise ConfigError(message)
+        warnings.warn(message, stacklevel=2)
     return cfg

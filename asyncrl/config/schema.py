@@ -97,6 +97,8 @@ class Config(Section):
             problems.append("learner.clip_eps_low must be < 1")
         if self.learner.off_policy.low >= self.learner.off_policy.high:
             problems.append("learner.off_policy.low must be < learner.off_policy.high")
+        if self.trainer.max_steps is None and self.trainer.total_epochs is None:
+            problems.append("trainer.max_steps is null: set it, or trainer.total_epochs to derive it from the rows")
         if self.trainer.resume not in ("auto", "never") and not self.trainer.resume:
             problems.append("trainer.resume must be auto, never or a checkpoint path")
         if self.cluster.num_gpus is not None:

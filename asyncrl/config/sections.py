@@ -30,8 +30,10 @@ class DataConfig(Section):
     `@split` suffix (default split `train`), as in Guided-GRPO."""
     val_files: str = "assets/arith/val.jsonl"
     """Validation data, same syntax; used every `trainer.eval_every` steps. Empty = no validation."""
-    test_files: str = "assets/arith/test.jsonl"
-    """Held-out data for the before/after evaluation of a run (summary.json). Empty = skip."""
+    test_files: str = ""
+    """Held-out data for the before/after evaluation of a run (summary.json), same syntax. Empty (the
+    default) = no before/after evaluation; name a test split, or `data.val_files`'s spec to evaluate
+    on the validation rows."""
     prompt_key: str = "problem"
     """Column holding the question text (Guided-GRPO's shipped configs use `problem`)."""
     answer_key: str = "answer"
@@ -164,8 +166,12 @@ class TrainerConfig(Section):
     """Run name; the run directory is `run_dir/experiment_name`."""
     run_dir: str = "runs"
     """Parent of run directories."""
-    max_steps: int = Field(20, gt=0)
-    """Learner steps (policy versions) to train."""
+    max_steps: int | None = Field(20, gt=0)
+    """Learner steps (policy versions) to train. null = derived at launch from `total_epochs` once
+    the training rows are loaded (epochs x rows // data.rollout_batch_size, printed)."""
+    total_epochs: int | None = Field(None, gt=0)
+    """Epochs over the training rows (Guided-GRPO's `trainer.total_epochs`); read only when
+    `max_steps` is null (the original's rule: max_steps wins when both are set)."""
     eval_every: int = -1
     """Evaluate on `data.val_files` every N steps; -1 = never."""
     eval_before_after: bool = True

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from asyncrl.data.messages import STUDENT_SYSTEM_PROMPT_NAME, build_messages, load_format_prompt
 from asyncrl.data.prompts import FORMAT_PROMPTS
-from asyncrl.data.sources import filter_overlong_prompts, load_rows, load_training_rows, parse_data_spec
+from asyncrl.data.sources import (
+    derive_max_steps,
+    filter_overlong_prompts,
+    load_rows,
+    load_training_rows,
+    parse_data_spec,
+)
 from asyncrl.data.stream import PromptItem, PromptStream, make_item
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "PromptItem",
     "PromptStream",
     "build_messages",
+    "derive_max_steps",
     "filter_overlong_prompts",
     "load_format_prompt",
     "load_rows",

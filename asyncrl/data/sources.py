@@ -26,7 +26,8 @@ from asyncrl.data.messages import build_messages
 if TYPE_CHECKING:
     from asyncrl.config import Config
 
-__all__ = ["parse_data_spec", "load_rows", "filter_overlong_prompts", "load_training_rows"]
+__all__ = ["parse_data_spec", "load_rows", "filter_overlong_prompts", "load_training_rows", "derive_max_steps",
+           "steps_per_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,13 @@ def load_rows(spec: str, cfg: DataConfig | None = None, *, require_answer: bool 
             ds = datasets.load_dataset(path_s, split=split)
         except Exception as exc:
             offline = " (HF_HUB_OFFLINE is set: hub datasets cannot be fetched)" if os.environ.get("HF_HUB_OFFLINE") else ""
-            raise ValueError(f"data {spec}: not a local path, and loading it from the hub failed{offline}: {exc}") from exc
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise ValueError(
+                f"dataset {path_s} (split {split}) is not a local path and could not be loaded from the hub{offline}: "
+                f"{first}. Copy it where the hub is reachable (its parquet files, or `datasets.load_dataset("
+                f"'{path_s}', split='{split}').to_parquet('{path_s.rsplit('/', 1)[-1]}/{split}.parquet')`) and point "
+                f"at the local copy: data.train_files=/path/to/{path_s.rsplit('/', 1)[-1]}@{split} (data.val_files "
+                "likewise)") from None
         sources = [(path_s, len(ds))]
     _check_rows(ds, cfg, sources, require_answer)
     return ds.to_list()
@@ -154,10 +161,22 @@ def filter_overlong_prompts(rows: Any, tokenizer: Any, cfg: DataConfig | None = 
 
 
 
+_preloaded: dict[str, list[dict[str, Any]]] = {}
+"""Rows `derive_max_steps` loaded at launch, handed once to the job's own `load_training_rows`
+(the driver then holds no second copy, and the rows are not read twice)."""
+
+
+def _rows_key(cfg: Config) -> str:
+    return cfg.data.model_dump_json() + "|" + (cfg.model.tokenizer_path or cfg.model.path)
+
+
 def load_training_rows(cfg: Config) -> list[dict[str, Any]]:
     """The job's training rows: `data.train_files`, without the rows whose initial prompt is longer
     than `data.max_prompt_length` when `data.filter_overlong_prompts` (counted with the policy's
     tokenizer and chat template). Every row left can start a conversation within the budget."""
+    preloaded = _preloaded.pop(_rows_key(cfg), None)
+    if preloaded is not None:
+        return preloaded
     rows = load_rows(cfg.data.train_files, cfg.data)
     if not cfg.data.filter_overlong_prompts:
         return rows
@@ -167,3 +186,29 @@ def load_training_rows(cfg: Config) -> list[dict[str, Any]]:
                                               trust_remote_code=cfg.model.trust_remote_code)
     kept, _ = filter_overlong_prompts(rows, tokenizer, cfg.data)
     return kept
+
+
+def steps_per_epoch(num_rows: int, rollout_batch_size: int) -> int:
+    """Learner steps in one epoch: whole rollout batches of the rows (the original's training
+    loader drops the last incomplete batch)."""
+    return num_rows // rollout_batch_size
+
+
+def derive_max_steps(cfg: Config) -> str:
+    """Set `trainer.max_steps` from `trainer.total_epochs` once the training rows are loaded (after
+    the overlong filter, as the original counts them), and say how, e.g. `15 epochs x 23 steps =
+    345 steps`. The rows are kept for the job's own `load_training_rows`. ValueError when the
+    rows make no whole batch (or cannot be loaded)."""
+    epochs, batch = cfg.trainer.total_epochs, cfg.data.rollout_batch_size
+    if epochs is None:
+        raise ValueError("trainer.max_steps is null and trainer.total_epochs is not set")
+    rows = load_training_rows(cfg)
+    per_epoch = steps_per_epoch(len(rows), batch)
+    if per_epoch == 0:
+        raise ValueError(f"data.train_files ({cfg.data.train_files}) has {len(rows)} training rows, fewer than one "
+                         f"batch of data.rollout_batch_size={batch}: no step in an epoch; lower the batch size or "
+                         "set trainer.max_steps")
+    _preloaded[_rows_key(cfg)] = rows
+    cfg.trainer.max_steps = epochs * per_epoch
+    return (f"trainer.max_steps = {epochs} epochs x {per_epoch} steps = {cfg.trainer.max_steps} steps "
+            f"({len(rows)} training rows // data.rollout_batch_size {batch})")

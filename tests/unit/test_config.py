@@ -1,6 +1,6 @@
 """The config tree: every shipped config validates; defaults < file < overrides; each error class
-gives a message naming the key (and exit status 2 through the CLI); Guided-GRPO YAMLs load through
-the key map; importing the config loads no torch/ray/vllm."""
+gives a message naming the key (and exit status 2 through the CLI); the Guided-GRPO key map's targets
+exist (the recipes themselves: test_guided_grpo_recipes.py); importing the config loads no torch/ray/vllm."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from asyncrl.config import (
     Config,
     ConfigError,
     check_files,
-    from_guided_grpo,
     load_config,
     parse_overrides,
 )
@@ -142,64 +141,12 @@ def test_import_config_loads_no_heavy_modules() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_guided_grpo_yaml_loads_through_key_map() -> None:
-    with pytest.warns(UserWarning, match="no asyncrl equivalent") as record:
-        cfg = from_guided_grpo(ROOT / "tests/fixtures/guided_grpo_http.yaml")
-    assert cfg.verifier.backend == "http"
-    assert cfg.verifier.http.base_url == "http://10.0.0.1:8000/v1"
-    assert cfg.verifier.http.model == "ve"
-    assert cfg.rollout.guide.enable is True
-    assert cfg.rollout.guide.max_turns == 10
-    assert cfg.rollout.guide.enable_hallucination_score is False
-    assert cfg.rollout.guide.sampling.temperature == 0.0
-    assert cfg.rollout.n == 8 and cfg.rollout.limit_images == 1
-    assert cfg.learner.kl.enable and cfg.learner.kl.estimator == "k3" and cfg.learner.kl.mode == "loss"
-    assert cfg.learner.kl.coef == 1e-2
-    assert cfg.learner.loss_type == "ppo"
-    assert cfg.learner.optim.lr == 2e-6
-    assert cfg.model.path == "Qwen/Qwen3-VL-8B-Instruct"
-    assert cfg.reward.function == "./examples/reward_function/math.py:compute_score"
-    assert cfg.trainer.logger == ["jsonl", "wandb", "tensorboard", "console"]
-    assert cfg.trainer.eval_every == 5 and cfg.trainer.save_limit == 5
-    # Keys with no equivalent are reported by name, not dropped silently.
-    unmapped = cfg._unmapped_keys
-    for key in ("data.val_batch_size", "worker.actor.fsdp.enable_full_shard", "worker.actor.padding_free",
-                "trainer.nnodes", "trainer.total_epochs", "worker.actor.optim.strategy"):
-        assert key in unmapped
-        assert key in str(record[0].message)
-    # A behaviour asyncrl removed is named with what to do instead, not a crash.
-    assert "worker.rollout.prompt_truncation" in unmapped
-    assert "worker.rollout.prompt_truncation: asyncrl never cuts a sampled prompt" in str(record[0].message)
-
-
-def test_removed_original_keys_are_explained_and_load_config_takes_the_same_route(tmp_path: Path) -> None:
-    f = tmp_path / "orig.yaml"
-    f.write_text("data:\n  video_fps: 2.0\nalgorithm:\n  lam: 1.0\nworker:\n  rollout:\n    ignore_eos: false\n"
-                 "    n: 4\n")
-    with pytest.warns(UserWarning) as record:
-        cfg = load_config(f, ["rollout.n=6"], config_format="guided_grpo")
-    message = str(record[0].message)
-    for key in ("data.video_fps", "algorithm.lam", "worker.rollout.ignore_eos"):
-        assert f"{key}: " in message and "remove the key" in message
-    assert cfg.rollout.n == 6 and sorted(cfg._unmapped_keys) == ["algorithm.lam", "data.video_fps",
-                                                                "worker.rollout.ignore_eos"]
-    with pytest.raises(ConfigError, match="unknown key 'rollout.prompt_truncation'"):
-        load_config(None, ["rollout.prompt_truncation=left"])
-
-
 def test_engine_dtype_is_derived_once() -> None:
     assert Config().rollout.engine_dtype == "float32"  # vLLM's CPU build: float32 is 3x faster than bf16
     gpu = Config.model_validate({"rollout": {"gpus_per_actor": 1}, "verifier": {"gpus_per_replica": 1}})
     assert gpu.rollout.engine_dtype == "auto" and gpu.verifier.engine_dtype == "auto"  # the checkpoint's dtype
     pinned = Config.model_validate({"rollout": {"dtype": "bfloat16"}, "verifier": {"dtype": "float16"}})
     assert pinned.rollout.engine_dtype == "bfloat16" and pinned.verifier.engine_dtype == "float16"
-
-
-def test_guided_grpo_cli_flag() -> None:
-    proc = _cli("--config", "tests/fixtures/guided_grpo_http.yaml", "--config-format", "guided_grpo", "--print-config")
-    assert proc.returncode == 0, proc.stderr
-    assert "trainer.nnodes" in proc.stderr
-    assert '"backend": "http"' in proc.stdout
 
 
 def test_key_map_targets_exist() -> None:
