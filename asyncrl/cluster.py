@@ -28,6 +28,8 @@ GiB = 2**30
 
 
 def job_runtime_env(cfg: Config) -> dict[str, Any]:
+    from asyncrl.weights.group import job_nccl_env
+
     package = Path(__file__).resolve().parent
     env_vars = {
         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -38,6 +40,7 @@ def job_runtime_env(cfg: Config) -> dict[str, Any]:
         "PYTHONWARNINGS": "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning",
         "TORCH_CPP_LOG_LEVEL": "ERROR",
         **interface_env(cfg),
+        **job_nccl_env(),  # one value in every process before its first NCCL communicator
     }
     return {"py_modules": [str(package)], "excludes": ["__pycache__", "*.pyc"], "env_vars": env_vars}
 

@@ -1,8 +1,9 @@
 """The components of a running job: `build_topology` starts them, `Topology` holds them.
 
 Read `build_topology` top to bottom to see every component of a job and the order they start in:
-data, coordinator, replay buffer, verifier service, learner group, weight sender, rollout fleet
-(and, on resume, a first weight broadcast). Each step is timed and a step that cannot start fails
+data, coordinator, replay buffer, verifier service, the learner's placement (reserved before any
+engine), rollout fleet (launched), weight store, learner group, weight sender (publishing version
+0), rollout fleet (joined) and, on resume, a first weight broadcast. Each step is timed and a step that cannot start fails
 the launch with its name (asyncrl.startup.StartupError), with everything already started torn
 down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
 to a buffer that is gone). `describe_failure` names the component behind an error.
@@ -42,6 +43,7 @@ class Topology:
     buffer_address: str = ""
     verifier: DeploymentHandle | None = None  # the Ray Serve verifier application
     learner: LearnerGroup | None = None
+    learner_placement: Any = None  # the learner's placement group until the learner group takes it
     weight_store: WeightStoreHandle | None = None  # the published copy for late joiners, owned by the job
     weight_address: str = ""  # the learner's weight rendezvous (changes when the learner is rebuilt)
     fleet: RolloutFleet | None = None
@@ -55,6 +57,11 @@ class Topology:
         if self.learner is not None:
             self.learner.shutdown()
             self.learner = None
+        if self.learner_placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.learner_placement)
+            self.learner_placement = None
         if self.weight_store is not None:
             self.weight_store.shutdown()
             self.weight_store = None
@@ -86,7 +93,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     from asyncrl.actors.rollout import make_rollout_actor_class
     from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
     from asyncrl.data import load_training_rows
-    from asyncrl.learner.group import LearnerGroup
+    from asyncrl.learner.group import LearnerGroup, reserve_placement
     from asyncrl.replay.host import BufferHost
     from asyncrl.serve.deploy import deploy_verifier
     from asyncrl.weights.store import start_weight_store
@@ -130,6 +137,10 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
                 probe_verifier(cfg)
         else:  # nothing would call it (no Serve controller and proxy competing for the CPUs either)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
+        # The learner's GPUs first: reserved after the engines, its ranks would be spread over
+        # the nodes the engines left (ZeRO collectives then cross the inter-node link).
+        with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
+            topo.learner_placement = reserve_placement(cfg)
         # The engine builds (the longest step) run while the weight store and the learner start.
         # Not on resume: an actor started then must see the restored version (and its weights).
         topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address=topo.buffer_address,
@@ -140,7 +151,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         with step_timer("weight store"):
             topo.weight_store = start_weight_store(namespace)
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
-            topo.learner = LearnerGroup(cfg)
+            topo.learner = LearnerGroup(cfg, placement=topo.learner_placement)
+            topo.learner_placement = None  # the learner group owns it now
             topo.fleet.learner = topo.learner
             if resume:
                 topo.learner.load_checkpoint(str(resume))
@@ -150,6 +162,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         with step_timer("weight sender (learner rank 0)"):
             topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
             say(f"  weight rendezvous at {topo.weight_address}")
+            if version == 0:  # no members yet: publishes version 0 only, so the store is never empty
+                publish_initial_weights(topo.learner)
         with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
             if launched is not None:
                 topo.fleet.join(launched, timeout)
@@ -162,6 +176,17 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         topo.shutdown()
         raise
     return topo
+
+
+def publish_initial_weights(learner: LearnerGroup) -> dict[str, Any]:
+    """Put version 0 into the WeightStore before any engine takes part in a round. An engine
+    whose first streamed round fails (its model then holds part of version 1) reloads the
+    store's newest version; with an empty store it could only stay paused. The broadcast has no
+    members yet, so it only exports and publishes (in the background)."""
+    report = learner.broadcast_weights()
+    if not report.get("published"):
+        raise StartupError("the learner did not publish version 0 to the weight store")
+    return report
 
 
 def _on_this_node() -> Any:

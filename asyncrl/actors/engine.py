@@ -28,8 +28,10 @@ a member the sender does not know yet asks to join by itself on its first update
 Safe loads (`_paused`): the version is bumped only after a verified load; a round that failed
 after the model saw part of it, or whose read-back fingerprint mismatched, is replaced by the
 newest full WeightStore version inside the same pause (no token is generated in between); with
-no store copy the engine stays paused (`unsafe`), and a mismatch that persists through the store
-reload raises `WeightIntegrityError`.
+no store copy the engine stays paused (`unsafe`) and retries the store in the background until a
+version loads (the topology publishes version 0 at start-up, so the store is never empty), and a
+mismatch that persists through the store reload raises `WeightIntegrityError`. An exception out
+of a load never leaves the engine paused: it is a failed, touched load.
 
 Two weight paths (`rollout.weight_transfer`), the same transport, checks and safe loads:
 `extension` (default) runs a round as one `collective_rpc("asyncrl_receive_weights")`; `native`
@@ -54,6 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.actors.lora import AdapterSlots
 from asyncrl.config import engine_env, rollout_device_defaults
 from asyncrl.weights.local import LocalFeed
 from asyncrl.weights.receiver import announced_version
@@ -94,6 +97,14 @@ def _merge_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _lora_engine_kwargs(adapter: dict[str, Any] | None, keep: int) -> dict[str, Any]:
+    """vLLM's LoRA engine arguments for adapters of `adapter["r"]`: room for `keep` versions in one
+    batch (in-flight requests of older versions beside new ones) plus one being added."""
+    if adapter is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": int(adapter["r"]), "max_loras": keep, "max_cpu_loras": keep + 1}
+
+
 class PolicyEngine:
     """An async vLLM engine for the policy. Create inside a running process (Ray actor or a
     `__main__`-guarded script: vLLM spawns its engine process)."""
@@ -103,10 +114,12 @@ class PolicyEngine:
                  weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
                  store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
                  version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
-                 limit_images: int = 0) -> None:
+                 limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3) -> None:
         """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
         (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
-        every weight load also resets vLLM's multimodal and encoder caches."""
+        every weight load also resets vLLM's multimodal and encoder caches. `lora_adapter`: the
+        `adapter_config.json` of a LoRA policy synced as adapters (`actors.lora.AdapterSlots`, at
+        most `lora_keep` versions loaded); versions then arrive as adapters, not weights."""
         import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -143,6 +156,7 @@ class PolicyEngine:
             gpu_memory_utilization=memory, worker_extension_cls=EXTENSION,
             **({"weight_transfer_config": {"backend": NATIVE_BACKEND}} if self.weight_transfer == "native" else {}),
             logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
+            **_lora_engine_kwargs(lora_adapter, lora_keep),
             # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
             # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
             # token budget instead, and per-request seeds stay safe.
@@ -155,6 +169,11 @@ class PolicyEngine:
         self.load_events: list[tuple[float, str]] = []  # (monotonic time, what): pause/resume/recovery
         self.fingerprint_mismatches = 0  # parameters found differing after loads, in total
         self.unsafe = False  # paused on weights that failed to load and could not be replaced
+        self.adapters: AdapterSlots | None = None  # LoRA versions as adapters (model.lora, adapter sync)
+        self._adapter_receivers: dict[tuple[str, str], Any] = {}
+        if lora_adapter is not None:
+            self.adapters = AdapterSlots(self.llm, self.engine_id, lora_adapter, lora_keep)
+        self._catch_up_task: asyncio.Future | None = None  # retries the store while unsafe
 
     # ---- generation -------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 1.0,
@@ -181,6 +200,8 @@ class PolicyEngine:
         prompt = {"prompt_token_ids": [int(t) for t in prompt_ids], "cache_salt": f"v{self.version}"}
         if multi_modal_data is not None:
             prompt["multi_modal_data"] = multi_modal_data
+        if self.adapters is not None:  # under the current adapter, continued under a newer one in flight
+            return Generation(*await self.adapters.generate(prompt, params, request_id or uuid.uuid4().hex, on_tokens))
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -200,7 +221,10 @@ class PolicyEngine:
 
     # ---- weights ----------------------------------------------------------------------------
     def weight_member_ids(self, prefix: str | None = None) -> list[str]:
-        """Members this engine contributes to a weight group (one per tensor-parallel rank)."""
+        """Members this engine contributes to a weight group (one per tensor-parallel rank; one
+        in all for adapters, which vLLM's workers read from the engine's own directory)."""
+        if self.adapters is not None:
+            return [f"{prefix or self.engine_id}/tp0"]
         return [f"{prefix or self.engine_id}/tp{r}" for r in range(self.tensor_parallel)]
 
     def _event(self, what: str) -> None:
@@ -221,7 +245,7 @@ class PolicyEngine:
             await self.llm.pause_generation(mode="keep", clear_cache=False)
             self._event("pause")
             await asyncio.sleep(0)  # let consumers drain chunks produced under the old version
-            result = await load()
+            result = await self._guarded(load)
             self.fingerprint_mismatches += int(result.get("fingerprint_mismatch") or 0)
             if result["status"] != "ok" and result.get("touched"):
                 self._event("load_failed")
@@ -235,6 +259,7 @@ class PolicyEngine:
                     result["seconds"] = time.perf_counter() - t0
                     result["status_before"], result["status"] = result["status"], "paused_unsafe"
                     self._event("stay_paused")
+                    self._keep_catching_up()
                     return result
                 result["version"] = recovered["version"]
                 self._event("store_reload_ok")
@@ -251,6 +276,45 @@ class PolicyEngine:
             result["seconds"] = time.perf_counter() - t0
             return result
 
+    @staticmethod
+    async def _guarded(load) -> dict[str, Any]:
+        """`load()`, with an exception out of it (an RPC timeout, a worker error) turned into a
+        failed result instead of escaping `_paused` with the scheduler paused for good. The model
+        may have seen part of the round, so it counts as `touched` (reloaded from the store)."""
+        try:
+            return await load()
+        except WeightIntegrityError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported as a failed, touched load
+            log.exception("weight load raised")
+            return {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "touched": True}
+
+    def _keep_catching_up(self, first_delay_s: float = 1.0, max_delay_s: float = 30.0) -> None:
+        """Paused on weights that failed to load and could not be replaced (the store had no copy
+        or did not answer): retry the store in the background until a version loads and the
+        engine resumes. Without this a paused engine produces nothing, so the learner makes no
+        new version and the rollout actor never calls for one: the job would starve."""
+        if self._catch_up_task is not None and not self._catch_up_task.done():
+            return
+
+        async def retry() -> None:
+            delay = first_delay_s
+            while self.unsafe:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, max_delay_s)
+                if self._update_lock.locked():  # another load is under way; it decides
+                    continue
+                try:
+                    res = await self.load_weights_from_store()
+                    self._event(f"catch_up_{res['status']}")
+                except WeightIntegrityError:
+                    log.exception("engine %s: the store's weights do not load cleanly; staying paused", self.engine_id)
+                    return
+                except Exception:  # noqa: BLE001 - the store may be restarting: try again later
+                    log.warning("engine %s: catch-up from the weight store failed", self.engine_id, exc_info=True)
+
+        self._catch_up_task = asyncio.ensure_future(retry())
+
     async def _recover_from_store(self) -> dict[str, Any]:
         """Inside a pause: load the newest published version whatever our own version is (the
         model may hold part of a newer one)."""
@@ -261,7 +325,7 @@ class PolicyEngine:
         if fetched is None:
             return {"status": "no_store", "error": "nothing published yet"}
         version, buckets = fetched
-        result = await self._load_named_unpaused(buckets, version)
+        result = await self._guarded(lambda: self._load_named_unpaused(buckets, version))
         self.fingerprint_mismatches += int(result.get("fingerprint_mismatch") or 0)
         if result["status"] == "fingerprint_mismatch":
             self._event("store_reload_mismatch")
@@ -277,6 +341,8 @@ class PolicyEngine:
         (version updated), "not_member" (asked to rejoin; call `load_weights_from_store`),
         "timeout" or "failed" (weights unchanged)."""
         timeout, prefix = timeout_s or self.weight_timeout_s, member_prefix or self.engine_id
+        if self.adapters is not None:
+            return await self._adapter_update(address, prefix, timeout)
         return await self._paused(lambda: self._round(address, prefix, timeout, self.weight_buffered))
 
     async def _round(self, address: str, prefix: str, timeout_s: float, buffered: bool, *,
@@ -347,6 +413,8 @@ class PolicyEngine:
         """Catch up from the `WeightStore` copy (late join, restart, dropped member). Loads only
         a version newer than `min_version` (default: the engine's own)."""
         floor = self.version if min_version is None else min_version
+        if self.adapters is not None:
+            return await self._adapter_from_store(floor)
         if self.unsafe:  # paused on a half-loaded model: any full version beats it
             floor = -1
         fetched = await asyncio.to_thread(fetch_weights, self.store_name, floor, self.weight_timeout_s)
@@ -354,6 +422,48 @@ class PolicyEngine:
             return {"status": "up_to_date", "version": self.version}
         version, buckets = fetched
         return await self.load_named_tensors(buckets, version)
+
+    # ---- LoRA adapters (model.lora with adapter sync; asyncrl.actors.lora) ----------------------
+    async def _adapter_update(self, address: str, prefix: str, timeout_s: float) -> dict[str, Any]:
+        """One round of the weight group carrying an adapter, received in this process (the
+        same membership, fingerprint and store fallbacks as weights), then loaded as a new LoRA.
+        Generation goes on meanwhile: the base weights do not change."""
+        from asyncrl.weights.receiver import WeightReceiver
+
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            member = self.weight_member_ids(prefix)[0]
+            rx = self._adapter_receivers.get((address, member))
+            if rx is None:
+                rx = await asyncio.to_thread(WeightReceiver, address, member, timeout_s)
+                self._adapter_receivers[(address, member)] = rx
+            result = await asyncio.to_thread(rx.receive, None, timeout_s=timeout_s)
+            tensors = result.pop("tensors", None)
+            if result["status"] == "ok":
+                result.update(await self._load_adapter(int(result["version"]), tensors))
+            result["seconds"] = time.perf_counter() - t0
+            return result
+
+    async def _adapter_from_store(self, floor: int) -> dict[str, Any]:
+        """Catch up from the WeightStore's copy of the newest adapter."""
+        from asyncrl.weights.wire import unpack_bucket
+
+        fetched = await asyncio.to_thread(fetch_weights, self.store_name, floor, self.weight_timeout_s)
+        if fetched is None:
+            return {"status": "up_to_date", "version": self.version}
+        version, buckets = fetched
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            result = await self._load_adapter(version, [nt for m, flat in buckets for nt in unpack_bucket(m, flat)])
+            result["seconds"] = time.perf_counter() - t0
+            return result
+
+    async def _load_adapter(self, version: int, tensors: list[Any]) -> dict[str, Any]:
+        result = await self.adapters.load(version, tensors)
+        self.fingerprint_mismatches += int(result.get("fingerprint_mismatch") or 0)
+        self.version = self.adapters.version
+        self._event(f"adapter_{result['status']}_v{version}")
+        return result
 
     async def reset_prefix_cache(self) -> bool:
         ok = await self.llm.reset_prefix_cache()
@@ -366,3 +476,5 @@ class PolicyEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        if self.adapters is not None:
+            self.adapters.close()

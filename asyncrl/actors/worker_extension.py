@@ -51,9 +51,25 @@ log = logging.getLogger(__name__)
 
 
 def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> None:
-    """Load checkpoint-format (HF-named) tensors into a running vLLM model in place."""
-    model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    retie_head(model_runner.get_model())
+    """Load checkpoint-format (HF-named) tensors into a running vLLM model in place, with vLLM's
+    layer-wise reload, which ALWAYS finalises. vLLM 0.32's `reload_weights` runs initialise /
+    `model.load_weights` / finalise without a `finally`: a round that fails mid-stream leaves every
+    layer in reload state, and the next reload's `initialize_layerwise_reload` skips such layers and
+    keeps what they buffered. A fused projection (qkv_proj, gate_up_proj) that got its first part
+    in the failed round then counts that part twice, is processed before its last parts arrive
+    (their rows never written) and drops them as "excessive loading": silent corruption that the
+    read-back check cannot see (fused parameters have no 1:1 name). Finalising after a failure
+    processes the partial layers on what arrived, so the model is `touched` and the engine
+    reloads a full version before generating (`PolicyEngine._paused`), as on the native path."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    try:
+        model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    except BaseException:
+        finalize_layerwise_reload(model_runner.get_model(), model_runner.model_config)
+        raise
+    finally:
+        retie_head(model_runner.get_model())
 
 
 def retie_head(model: Any) -> None:
@@ -141,6 +157,13 @@ class WeightReceiverExtension:
 
     def asyncrl_close_receiver(self, address: str, prefix: str) -> None:
         self.__dict__.get("_asyncrl_receivers", {}).pop((address, prefix), None)
+
+    def asyncrl_param_digests(self) -> dict[str, str]:
+        """SHA-256 of every parameter's bytes (tests: is the model bit-identical to a version)."""
+        import hashlib
+
+        return {n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, p in self.model_runner.get_model().named_parameters()}
 
     def asyncrl_param_sums(self) -> dict[str, float]:
         """Sum of every parameter (tests: did the update reach the model at all)."""

@@ -35,8 +35,9 @@ def build_ds_config(lc: LearnerConfig, world_size: int, precision: str) -> dict[
     owns micro-batching and calls `engine.step()` itself (unmanaged gradient accumulation)."""
     zero: dict[str, Any] = {"stage": lc.zero_stage}
     if lc.zero_stage == 3:
-        # unmanaged accumulation supports overlap_comm only with stage 2
-        zero.update(overlap_comm=False, stage3_param_persistence_threshold=0, stage3_max_live_parameters=int(1e9),
+        # unmanaged accumulation takes overlap_comm from stage 2 up (DeepSpeed asserts
+        # partition_gradients, i.e. stage >= 2, though its message says "stage 2")
+        zero.update(overlap_comm=True, stage3_param_persistence_threshold=0, stage3_max_live_parameters=int(1e9),
                     stage3_prefetch_bucket_size=int(5e7))
     elif lc.zero_stage in (1, 2):
         zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size=int(5e7),
@@ -50,6 +51,10 @@ def build_ds_config(lc: LearnerConfig, world_size: int, precision: str) -> dict[
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": False},
+        # bf16 under ZeRO: accumulate the micro-batches' gradients in fp32 (DeepSpeed's default is
+        # the model's dtype, which rounds every partial sum to 8 bits of mantissa); stage 0 has no
+        # such buffer (DeepSpeed refuses the mix there)
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if precision == "bf16" and lc.zero_stage >= 1 else {}),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,

@@ -1,7 +1,8 @@
 """`LearnerGroup`: the W learner ranks as Ray actors in one placement group = one DeepSpeed job.
 
 - One bundle per rank (`learner.cpus_per_rank` CPUs, plus 1 GPU each when `learner.num_gpus > 0`),
-  strategy PACK. Rank 0's actor picks a free port on its node; every actor gets RANK, WORLD_SIZE,
+  STRICT_PACK when one node can hold them all (else PACK), reserved before the rollout engines
+  start (`reserve_placement`). Rank 0's actor picks a free port on its node; every actor gets RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT and LOCAL_RANK (0: Ray gives each actor its own CUDA_VISIBLE_DEVICES)
   in its environment before DeepSpeed starts. All ranks on one node rendezvous on 127.0.0.1.
 - Every call fans out to all ranks (the worker's methods contain collectives) and waits for all of
@@ -189,20 +190,69 @@ class LearnerActor:
         return self.worker.version
 
 
+def rank_bundles(cfg: Config) -> list[dict[str, float]]:
+    """One placement bundle per learner rank: `learner.cpus_per_rank` CPUs, 1 GPU on GPU jobs,
+    plus `cluster.resources.learner` (e.g. pin the ranks to a node)."""
+    lc = cfg.learner
+    bundle: dict[str, float] = {"CPU": lc.cpus_per_rank}
+    if lc.num_gpus > 0:
+        bundle["GPU"] = 1
+    bundle.update(cfg.cluster.resources.get("learner", {}))
+    return [dict(bundle) for _ in range(cfg.learner_world_size)]
+
+
+def placement_strategy(bundles: list[dict[str, float]], nodes: list[dict[str, Any]]) -> str:
+    """STRICT_PACK (every rank on one node: ZeRO's per-micro-batch collectives stay on the
+    node's links) when some alive node has the resources of all the bundles together; else PACK
+    (a learner larger than any node, spread as little as Ray can)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    fits = any(n.get("Alive") and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in need.items()) for n in nodes)
+    return "STRICT_PACK" if fits else "PACK"
+
+
+def reserve_placement(cfg: Config) -> Any:
+    """Reserve the learner's placement group and wait until it is placed (bounded by
+    `cluster.startup_timeout_s`). The topology calls it BEFORE the rollout actors start: reserved
+    later, Ray's default policy has already spread the engines over the nodes and the learner
+    (PACK is best effort) is split across them."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = rank_bundles(cfg)
+    pg = placement_group(bundles, strategy=placement_strategy(bundles, ray.nodes()))
+    try:
+        ray.get(pg.ready(), timeout=cfg.cluster.startup_timeout_s)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return pg
+
+
+def rank_env(cfg: Config) -> dict[str, str]:
+    """Environment of every learner rank's process (RANK / WORLD_SIZE are added per rank). It
+    carries the job's one NCCL_CUMEM_ENABLE (`weights.group.job_nccl_env`, also in the job's
+    runtime_env): DeepSpeed's `init_distributed` creates the rank's first NCCL communicator, and
+    NCCL reads the variable then and never again."""
+    from asyncrl.weights.group import job_nccl_env
+
+    lc = cfg.learner
+    return {"DS_ACCELERATOR": "cuda" if lc.num_gpus > 0 else "cpu", "LOCAL_RANK": "0",
+            "OMP_NUM_THREADS": str(max(1, int(lc.cpus_per_rank))), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+            **job_nccl_env()}
+
+
 class LearnerGroup:
     """The learner job. `fetch` + `train_fetched` -> metrics (rank 0's), `version`, checkpoints, export."""
 
-    def __init__(self, cfg: Config, name: str = "learner") -> None:
-        from ray.util.placement_group import placement_group
-
+    def __init__(self, cfg: Config, name: str = "learner", placement: Any = None) -> None:
+        """`placement`: the group's placement group, reserved beforehand (`reserve_placement`,
+        which the topology calls before the rollout engines start); None reserves it here."""
         self.cfg = cfg
-        lc = cfg.learner
         self.world_size = cfg.learner_world_size
-        bundle: dict[str, float] = {"CPU": lc.cpus_per_rank}
-        if lc.num_gpus > 0:
-            bundle["GPU"] = 1
-        bundle.update(cfg.cluster.resources.get("learner", {}))  # e.g. pin the ranks to a node
-        self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        self._pg = placement if placement is not None else reserve_placement(cfg)
         self._name = name
         self._spawn()
         self._setup(cfg)
@@ -215,8 +265,7 @@ class LearnerGroup:
         lc = self.cfg.learner
         timeout = self.cfg.cluster.startup_timeout_s
         ray.get(self._pg.ready(), timeout=timeout)
-        env = {"DS_ACCELERATOR": "cuda" if lc.num_gpus > 0 else "cpu", "LOCAL_RANK": "0",
-               "OMP_NUM_THREADS": str(max(1, int(lc.cpus_per_rank))), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+        env = rank_env(self.cfg)
         remote = ray.remote(LearnerActor)
         self.actors = []
         for rank in range(self.world_size):

@@ -6,8 +6,12 @@ Contracts: every collective is bounded by a deadline the caller enforces itself 
 polls `work.is_completed()`, so the bound holds on NCCL, whose `wait()` does not block, and on
 gloo alike); the group's own timeout (`backstop_timeout`) is later than every such deadline, so
 gloo's and NCCL's watchdogs are the backstop, never the mechanism; NCCL groups are built with
-TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the communicator, never the process) and
-both sides use the same NCCL_CUMEM_ENABLE (`align_nccl_cumem`); `abort_group` never blocks.
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the communicator, never the process);
+`abort_group` never blocks. NCCL_CUMEM_ENABLE is one value for the whole job (`job_nccl_env`,
+put into every process's environment by the job's runtime_env before it starts, since NCCL reads
+it once, at the process's first communicator, which on a learner rank is DeepSpeed's
+`init_distributed`); the weight group refuses to build when two members disagree
+(`NcclEnvMismatch`), because a mismatch breaks the learner -> engine P2P connect.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -46,10 +50,41 @@ def backstop_timeout(timeout_s: float) -> timedelta:
 
 # NCCL environment of the weight group. TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): a
 # timed-out collective aborts its communicator but never tears the process down (torch's default,
-# 3, kills the process, i.e. the learner). NCCL_CUMEM_ENABLE must agree between the learner and
-# the vLLM workers (mismatched values give errors or OOM); the sender's value travels in the plan.
+# 3, kills the process, i.e. the learner).
 NCCL_ERROR_HANDLING = "2"
+CUMEM_VAR = "NCCL_CUMEM_ENABLE"
 CUMEM_DEFAULT = "0"
+
+
+class NcclEnvMismatch(RuntimeError):
+    """Two members of the weight group run with different NCCL_CUMEM_ENABLE: a configuration
+    error (every round would fail to connect), never a member failure to drop and retry."""
+
+
+def job_nccl_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The job-wide NCCL_CUMEM_ENABLE: the launching process's value if it has one, else
+    `CUMEM_DEFAULT`. It goes into the runtime_env of every Ray process of the job (learner ranks,
+    rollout actors and the engine processes they spawn), so each has it before its first NCCL
+    communicator; setting it later in a process changes nothing (NCCL caches it)."""
+    environ = os.environ if environ is None else environ
+    return {CUMEM_VAR: environ.get(CUMEM_VAR, CUMEM_DEFAULT)}
+
+
+def nccl_cumem() -> str | None:
+    """This process's NCCL_CUMEM_ENABLE (None: unset, NCCL's own default)."""
+    return os.environ.get(CUMEM_VAR)
+
+
+def cumem_mismatch(mine: str | None, theirs: dict[str, str | None], who: str) -> str | None:
+    """A message naming every member whose NCCL_CUMEM_ENABLE differs from `mine` (None: all agree)."""
+    bad = {m: v for m, v in theirs.items() if v != mine}
+    if not bad:
+        return None
+    shown = ", ".join(f"{m}={v if v is not None else 'unset'}" for m, v in sorted(bad.items()))
+    return (f"weight group: NCCL_CUMEM_ENABLE={mine if mine is not None else 'unset'} on {who} but {shown}; "
+            "NCCL cannot connect processes that disagree on it: set one value for the whole job (asyncrl puts "
+            f"the launcher's value, default {CUMEM_DEFAULT}, into every role's environment; something in these "
+            "processes overrides it)")
 
 
 @contextmanager
@@ -64,20 +99,6 @@ def _scoped_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def align_nccl_cumem(value: str | None) -> str:
-    """Make this process's NCCL_CUMEM_ENABLE equal to `value` (the sender's); set it if unset,
-    warn loudly if it was set differently (NCCL reads it once, at its first communicator)."""
-    value = value if value is not None else CUMEM_DEFAULT
-    mine = os.environ.get("NCCL_CUMEM_ENABLE")
-    if mine is None:
-        os.environ["NCCL_CUMEM_ENABLE"] = value
-    elif mine != value:
-        log.error("weight sync: NCCL_CUMEM_ENABLE=%s here but %s on the other side of the weight group; "
-                  "NCCL may fail or run out of memory: set the same value on the learner and the rollout "
-                  "workers", mine, value)
-    return os.environ["NCCL_CUMEM_ENABLE"]
 
 
 def make_group(store: dist.Store, generation: int, rank: int, world: int, backend: str,
@@ -112,6 +133,58 @@ def wait_work(work: Any, deadline: float, tick: Any = None, tick_every_s: float 
         time.sleep(delay)
         delay = min(2 * delay, 1e-3)
     work.wait()  # re-raises a failed collective; on NCCL the current stream now waits for it
+
+
+def connect_group(build: Callable[[], Any], device: torch.device | None, deadline: float, backstop_s: float,
+                  tick: Callable[[], None] | None = None) -> Any:
+    """Build a weight group and run its first collective (a one-element broadcast from rank 0)
+    by `deadline`. NCCL creates its communicator at the first collective and gloo connects its
+    mesh in the constructor; both block the calling thread until every member has joined, with
+    no bound of their own short of the backstop. So both run in a helper thread; at the deadline
+    the caller gets CollectiveTimeout and the half-built group is retired (`abort_group`) as soon
+    as it exists. `tick()` runs while waiting (receivers heartbeat there and may raise)."""
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            pg = build()
+            with lock:
+                box["pg"] = pg
+                if box.get("abandoned"):
+                    abort_group(pg, backstop_s)
+                    return
+            box["work"] = pg.broadcast([torch.zeros(1, device=device or "cpu")])
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="asyncrl-weight-connect", daemon=True)
+    thread.start()
+    next_tick = time.monotonic() + 0.2
+    try:
+        while thread.is_alive():
+            now = time.monotonic()
+            if now >= deadline:
+                raise CollectiveTimeout("weight group: creating the communicator passed its deadline")
+            if tick is not None and now >= next_tick:
+                tick()
+                next_tick = now + 0.2
+            thread.join(0.01)
+    except BaseException:
+        with lock:
+            box["abandoned"] = True
+            pg = box.get("pg")
+        abort_group(pg, backstop_s)
+        raise
+    if "error" in box:
+        abort_group(box.get("pg"), backstop_s)
+        raise box["error"]
+    try:
+        wait_work(box["work"], deadline, tick)
+    except Exception:
+        abort_group(box["pg"], backstop_s)
+        raise
+    return box["pg"]
 
 
 _GRAVEYARD: list[tuple[float, Any]] = []  # (release time, gloo group) kept alive until then

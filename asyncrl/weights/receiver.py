@@ -27,11 +27,15 @@ from typing import Any
 import torch
 
 from asyncrl.weights.group import (
+    CollectiveTimeout,
+    NcclEnvMismatch,
     abort_group,
-    align_nccl_cumem,
     backstop_timeout,
+    connect_group,
+    cumem_mismatch,
     make_group,
     make_store,
+    nccl_cumem,
     wait_work,
 )
 from asyncrl.weights.wire import (
@@ -143,21 +147,42 @@ class WeightReceiver:
                 self.dead_generation = g
                 continue
             self._requested_gen = -1
-            self.store.set(f"{PREFIX}/g{g}/ready/{self.member_id}", "1")
-            if self._wait_get(f"g{g}/built", deadline) != b"go":
+            nccl = plan["backend"] == "nccl"
+            # our NCCL_CUMEM_ENABLE goes with the ready key: the sender refuses a group that disagrees
+            self.store.set(f"{PREFIX}/g{g}/ready/{self.member_id}", json.dumps({"nccl_cumem": nccl_cumem()}))
+            built = self._wait_get(f"g{g}/built", deadline)
+            problem = nccl and cumem_mismatch(plan.get("nccl_cumem"), {self.member_id: nccl_cumem()}, "learner rank 0")
+            if problem:
+                raise NcclEnvMismatch(problem)
+            if built != b"go":
                 self.dead_generation = g
                 continue
-            rank = plan["members"].index(self.member_id) + 1
-            nccl = plan["backend"] == "nccl"
-            if nccl:
-                align_nccl_cumem(plan.get("nccl_cumem"))
-                if self.device is not None:
-                    torch.cuda.set_device(self.device)
-            self.buffer_device = self.device if nccl else torch.device("cpu")  # gloo: host buffers
-            self.pg = make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s,
-                                 self.device if nccl else None)
-            self.generation, self.seq = g, 0
-            return True
+            if self._connect(g, plan, deadline):
+                return True
+            self.dead_generation = g
+
+    def _connect(self, g: int, plan: dict[str, Any], deadline: float) -> bool:
+        """Build generation g's group and its communicator (the first collective), heartbeating;
+        False when the sender gave up on this generation (another member did not connect)."""
+        rank = plan["members"].index(self.member_id) + 1
+        nccl = plan["backend"] == "nccl"
+        if nccl and self.device is not None:
+            torch.cuda.set_device(self.device)
+        self.buffer_device = self.device if nccl else torch.device("cpu")  # gloo: host buffers
+        device = self.device if nccl else None
+        try:
+            self.pg = connect_group(
+                lambda: make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s, device),
+                device, deadline, backstop_timeout(self.timeout_s).total_seconds(),
+                tick=lambda: self._tick(f"g{g}/connect"))
+        except (RoundAborted, CollectiveTimeout, RuntimeError) as exc:
+            log.warning("weight receiver %s: generation %d did not connect: %s", self.member_id, g, exc)
+            self.pg = None
+            if isinstance(exc, CollectiveTimeout):
+                raise ReceiveTimeout(f"g{g}/connect") from exc
+            return False
+        self.generation, self.seq = g, 0
+        return True
 
     # ---- receive ----------------------------------------------------------------------------
     def receive(self, load: Callable[[Iterator[NamedTensor]], Any] | None = None, *,

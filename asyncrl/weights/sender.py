@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable
@@ -25,11 +24,14 @@ import torch.distributed as dist
 
 from asyncrl.addresses import bind_and_advertise, bind_first, candidate_ports
 from asyncrl.weights.group import (
+    NcclEnvMismatch,
     abort_group,
-    align_nccl_cumem,
     backstop_timeout,
+    connect_group,
+    cumem_mismatch,
     make_group,
     make_store,
+    nccl_cumem,
     resolve_backend,
     wait_work,
 )
@@ -96,7 +98,7 @@ class WeightSender:
         self.drop_log: list[tuple[float, str, str]] = []  # (wall time, member, why)
         self._joinreq_seen = 0
         self._dirty = True
-        self.nccl_cumem = align_nccl_cumem(os.environ.get("NCCL_CUMEM_ENABLE")) if self.backend == "nccl" else None
+        self.nccl_cumem = nccl_cumem()  # fixed for this process: NCCL read it at the learner's first communicator
         # publishing: "background" puts the store copy from a thread (the next step does not wait
         # for it), "sync" inside broadcast(); every `publish_every`-th broadcast is published.
         self.publish_mode = getattr(cfg, "publish_mode", "background")
@@ -198,10 +200,39 @@ class WeightSender:
                 self._drop(missing, "did not join the weight group")
                 self.store.set(f"{PREFIX}/g{g}/built", "abort")
                 continue
+            self._check_cumem(g, members_now)
             self.store.set(f"{PREFIX}/g{g}/built", "go")
-            self.pg = make_group(self.store, g, 0, len(members_now) + 1, self.backend, self.timeout_s, self.device)
+            try:
+                self.pg = self._connect(g, members_now)
+            except Exception as exc:  # noqa: BLE001 - a member died between joining and connecting
+                log.warning("weight sync: generation %d did not connect: %s", g, exc)
+                ck = f"{PREFIX}/g{g}/connect"
+                missing = self._unresponsive(members_now, ck)
+                self.store.set(f"{ck}/abort", "1")
+                self._drop(missing, "did not connect to the weight group")
+                continue
             self.group_members, self._dirty = members_now, False
             return members_now
+
+    def _check_cumem(self, g: int, members: list[str]) -> None:
+        """NCCL only: every member joined with this process's NCCL_CUMEM_ENABLE (each writes its
+        own into its ready key), else the generation is aborted and NcclEnvMismatch raised: a
+        configuration error that would break every round, so the job stops naming the members."""
+        if self.backend != "nccl":
+            return
+        theirs = {m: json.loads(self.store.get(f"{PREFIX}/g{g}/ready/{m}")).get("nccl_cumem") for m in members}
+        problem = cumem_mismatch(self.nccl_cumem, theirs, "learner rank 0")
+        if problem:
+            self.store.set(f"{PREFIX}/g{g}/built", "abort")
+            raise NcclEnvMismatch(problem)
+
+    def _connect(self, g: int, members: list[str]) -> dist.ProcessGroup:
+        """Build generation g's group and run its first collective within `timeout_s` (NCCL creates
+        its communicator there; a member that died after joining must not hold the learner)."""
+        backstop = backstop_timeout(self.timeout_s).total_seconds()
+        return connect_group(
+            lambda: make_group(self.store, g, 0, len(members) + 1, self.backend, self.timeout_s, self.device),
+            self.device, time.monotonic() + self.timeout_s, backstop)
 
     def _destroy_group(self) -> None:
         abort_group(self.pg, backstop_timeout(self.timeout_s).total_seconds())

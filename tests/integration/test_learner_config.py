@@ -37,7 +37,14 @@ def test_ds_config_from_learner_section(stage: int) -> None:
     assert ds["managed_gradient_accumulation"] is False  # the learner calls engine.step() itself
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_batch_size"] == 2
     assert ds["bf16"]["enabled"] is False  # CPU default: fp32
+    assert "data_types" not in ds  # fp32: gradients accumulate in fp32 anyway
     if stage == 3:
-        assert ds["zero_optimization"]["overlap_comm"] is False  # unmanaged accumulation needs it off
-    gpu = load_config(None, ["learner.num_gpus=2"])
-    assert build_ds_config(gpu.learner, 2, gpu.learner_precision)["bf16"] == {"enabled": True, "check_grad_overflow": True}
+        # DeepSpeed 0.19.8 allows overlap_comm with unmanaged accumulation when gradients are
+        # partitioned (stage >= 2); stage 3 overlaps its reduce-scatter with the backward
+        assert ds["zero_optimization"]["overlap_comm"] is True
+    gpu = load_config(None, ["learner.num_gpus=2", f"learner.zero_stage={stage}"])
+    gds = build_ds_config(gpu.learner, 2, gpu.learner_precision)
+    assert gds["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    # bf16 under ZeRO: micro-batch gradients accumulate in fp32, not in bf16 (DeepSpeed's default is
+    # the model dtype); stage 0 has no accumulation buffer of DeepSpeed's and refuses the mix
+    assert gds.get("data_types") == ({"grad_accum_dtype": "fp32"} if stage >= 1 else None)

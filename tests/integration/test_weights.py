@@ -11,6 +11,8 @@ dropped member that comes back rejoins and receives the next version; the Weight
 from __future__ import annotations
 
 import io
+import json
+import threading
 import multiprocessing as mp
 import os
 import tempfile
@@ -79,6 +81,11 @@ def receiver_main(address: str, member: str, actions: list, q) -> None:
                     f.write(repr(time.time()))
                 os._exit(1)
             rec.receive(load, timeout_s=4 * TIMEOUT, buffered=False)
+        elif action == "ready_then_die":  # in the plan, then gone before the communicator exists
+            g = int(rec._wait_get("gen", time.monotonic() + 4 * TIMEOUT))
+            rec._wait_get(f"g{g}/plan", time.monotonic() + 4 * TIMEOUT)
+            rec.store.set(f"asyncrl_w/g{g}/ready/{member}", json.dumps({"nccl_cumem": None}))
+            os._exit(1)
         elif action == "enter_and_hang":
             assert rec._join(time.monotonic() + 4 * TIMEOUT)
             rec.store.set(f"asyncrl_w/g{rec.generation}/r1/enter/{member}", "1")
@@ -164,6 +171,58 @@ def test_member_that_never_joins_is_dropped_within_timeout():
     assert collect(q, 1)["a"][0][:2] == ("ok", 2)
     for p in procs:
         p.join(10)
+    sender.close()
+
+
+def test_member_dying_before_the_communicator_exists_is_dropped_within_the_deadline():
+    # 'dead' joins the plan (its ready key is there, so the group is built) and dies before
+    # creating the communicator. Gloo connects in the group's constructor, NCCL at the first
+    # collective; both block until every member is there, bounded only by the group's backstop
+    # (4 x timeout + 30 s = 50 s here). Creation runs under the sender's deadline instead:
+    # 'dead' is dropped after about one timeout and 'a' receives the round in a new generation.
+    sender = WeightSender(cfg(), members=["a", "dead"])
+    q, procs = start(sender, {"a": ["recv"], "dead": ["ready_then_die"]})
+    t0 = time.monotonic()
+    report = sender.broadcast(state_dict(1).items(), 1)
+    elapsed = time.monotonic() - t0
+    print(f"\nmember dead before connecting: broadcast returned after {elapsed:.2f}s: {report.as_dict()}")
+    assert report.dropped == ["dead"] and report.acked == ["a"]
+    assert elapsed < 2 * TIMEOUT + 5, elapsed  # one deadline + the heartbeat grace, not the 50 s backstop
+    status, version, tensors = collect(q, 1)["a"][0]
+    assert (status, version) == ("ok", 1)
+    assert_exact(tensors, state_dict(1))
+    for p in procs:
+        p.join(10)
+    sender.close()
+
+
+def test_nccl_cumem_disagreement_stops_the_group_loudly(monkeypatch):
+    # NCCL cannot connect a learner and an engine that disagree on NCCL_CUMEM_ENABLE: every
+    # round would fail and fall back to the store. Each member sends its value with its ready
+    # key; the sender refuses to build the group and raises naming the member, and so does the
+    # member. (The plan says "nccl"; the check runs before any NCCL call, so it runs on a CPU.)
+    from asyncrl.weights.group import NcclEnvMismatch
+    from asyncrl.weights.receiver import WeightReceiver
+
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
+    sender = WeightSender(cfg(), members=["eng/tp0"])
+    sender.backend = "nccl"  # what a GPU learner plans; its value was read at construction
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")  # the engine's process, say, overrides it
+    box: dict = {}
+
+    def member() -> None:
+        try:
+            WeightReceiver(sender.address, "eng/tp0", timeout_s=TIMEOUT).receive(None, timeout_s=2 * TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            box["error"] = exc
+
+    t = threading.Thread(target=member, daemon=True)
+    t.start()
+    with pytest.raises(NcclEnvMismatch, match="NCCL_CUMEM_ENABLE=0 on learner rank 0 but eng/tp0=1"):
+        sender.broadcast(state_dict(1).items(), 1)
+    t.join(3 * TIMEOUT)
+    assert isinstance(box.get("error"), NcclEnvMismatch), box
+    assert "eng/tp0=1" in str(box["error"])
     sender.close()
 
 

@@ -15,13 +15,27 @@ import pytest
 from asyncrl.weights import group as w
 
 
-def test_cumem_set_when_unset_and_loud_when_different(monkeypatch, caplog):
+def test_one_cumem_value_for_the_whole_job(monkeypatch):
+    # The launcher's value, else the default, in the job's runtime_env (every Ray process) and in
+    # every learner rank's own environment (DeepSpeed creates its first communicator there).
+    from asyncrl.cluster import job_runtime_env
+    from asyncrl.config import Config
+    from asyncrl.learner.group import rank_env
+
+    cfg = Config()
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
-    assert w.align_nccl_cumem("1") == "1" and os.environ["NCCL_CUMEM_ENABLE"] == "1"
-    assert w.align_nccl_cumem(None) == "1"  # already set, plan without a value: keep, and no error
-    with caplog.at_level(logging.ERROR):
-        assert w.align_nccl_cumem("0") == "1"
-    assert "NCCL_CUMEM_ENABLE=1 here but 0" in caplog.text
+    assert w.job_nccl_env() == {"NCCL_CUMEM_ENABLE": w.CUMEM_DEFAULT}
+    assert job_runtime_env(cfg)["env_vars"]["NCCL_CUMEM_ENABLE"] == rank_env(cfg)["NCCL_CUMEM_ENABLE"] == "0"
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    assert job_runtime_env(cfg)["env_vars"]["NCCL_CUMEM_ENABLE"] == rank_env(cfg)["NCCL_CUMEM_ENABLE"] == "1"
+
+
+def test_cumem_mismatch_names_every_member_that_disagrees():
+    assert w.cumem_mismatch("0", {"a/tp0": "0", "b/tp0": "0"}, "learner rank 0") is None
+    assert w.cumem_mismatch(None, {"a/tp0": None}, "learner rank 0") is None
+    msg = w.cumem_mismatch("0", {"a/tp0": "0", "b/tp0": "1", "c/tp1": None}, "learner rank 0")
+    assert "NCCL_CUMEM_ENABLE=0 on learner rank 0 but b/tp0=1, c/tp1=unset" in msg
+    assert "a/tp0" not in msg
 
 
 def test_error_handling_env_is_scoped(monkeypatch):
