@@ -111,7 +111,7 @@ class RolloutWorker:
         vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}
         self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
-                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, **vl_kw)
+                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         self.reward_fn = load_reward(cfg.reward)
@@ -389,6 +389,17 @@ class RolloutWorker:
         if self.pushes is not None:
             self.pushes.close()
         self._zmq.shutdown(wait=False)
+
+
+def lora_engine_kwargs(cfg: Config) -> dict[str, Any]:
+    """The engine's LoRA arguments when versions travel as adapters (`weights.adapter.sync_kind`):
+    the adapter config, and room for every version a group in flight may still sample from
+    (`buffer.max_staleness + 2`). Merged and full sync need none."""
+    from asyncrl.weights.adapter import adapter_config, sync_kind
+
+    if sync_kind(cfg, warn=True) != "adapter":
+        return {}
+    return {"lora_adapter": adapter_config(cfg.model.lora, cfg.model.path), "lora_keep": cfg.buffer.max_staleness + 2}
 
 
 def _record_children(path: str) -> None:

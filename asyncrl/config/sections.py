@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ConfigError", "Section", "DataConfig", "AlgorithmConfig", "ModelConfig", "RewardConfig",
-           "ClusterConfig", "CLUSTER_ROLES", "TrainerConfig", "cluster_problems"]
+__all__ = ["ConfigError", "Section", "DataConfig", "AlgorithmConfig", "ModelConfig", "LoRAConfig", "VLLM_LORA_RANKS",
+           "RewardConfig", "ClusterConfig", "CLUSTER_ROLES", "TrainerConfig", "cluster_problems"]
 
 
 class ConfigError(ValueError):
@@ -92,6 +92,68 @@ class AlgorithmConfig(Section):
     leaves that turn unscored (it then gets no process advantage)."""
 
 
+# --------------------------------------------------------------------------------------------- lora
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""LoRA ranks vLLM 0.32 can serve (`vllm.config.lora.MaxLoRARanks`; `max_lora_rank` is set to the rank)."""
+LORA_REFUSED_MODULE_WORDS = ("embed", "lm_head", "wte", "wpe", "output_layer")
+"""Substrings of target module names that name embeddings or the output head: vLLM 0.32 loads no
+LoRA weights for them (its adapter loader accepts only the model's LoRA-capable linear layers)."""
+
+
+class LoRAConfig(Section):
+    enable: bool = False
+    """Train a LoRA adapter (PEFT) on the frozen policy: the optimizer holds only the adapter, the
+    KL reference is the same model with the adapter disabled (no second replica), and each
+    version travels to the engines as the adapter alone (megabytes, not the model)."""
+    rank: int = 16
+    """LoRA rank r; one of the ranks vLLM serves: 1, 8, 16, 32, 64, 128, 256, 320, 512."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (the engines never apply it; > 0 also turns
+    off the learner's reuse of the training forward as pi_prox)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Linear layers (name suffixes, PEFT's `target_modules`) that get an adapter; never embeddings
+    or the output head, which vLLM cannot serve with LoRA."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Must stay empty: fully trained copies of modules are not an adapter vLLM can load per
+    request (PEFT's `modules_to_save`); kept as a key only to refuse it by name."""
+    use_dora: bool = False
+    """Must stay false: vLLM 0.32 has no DoRA kernels (PEFT's `use_dora`)."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Must stay `none`: vLLM 0.32 serves no trained biases in an adapter (PEFT's `bias`)."""
+    sync: Literal["auto", "adapter", "merged"] = "auto"
+    """How a version reaches the engines: `adapter` (the adapter alone, loaded as a new LoRA per
+    version), `merged` (base + adapter merged into full weights, the full-weight sync), or `auto`:
+    adapter when vLLM can serve the architecture with LoRA, else merged with one warning."""
+
+    @model_validator(mode="after")
+    def _servable(self) -> LoRAConfig:
+        """Refuse what vLLM cannot serve as a LoRA adapter, each with its reason and key."""
+        problems = []
+        if self.rank not in VLLM_LORA_RANKS:
+            problems.append(f"model.lora.rank={self.rank} is not a rank vLLM serves (max_lora_rank must be one "
+                            f"of {', '.join(map(str, VLLM_LORA_RANKS))})")
+        bad = [m for m in self.target_modules if any(w in m.lower() for w in LORA_REFUSED_MODULE_WORDS)]
+        if bad:
+            problems.append(f"model.lora.target_modules: {', '.join(bad)} are embeddings or the output head; vLLM "
+                            "0.32 loads LoRA weights only for the model's linear layers (attention/MLP projections)")
+        if not self.target_modules:
+            problems.append("model.lora.target_modules is empty: name the linear layers that get an adapter")
+        if self.modules_to_save:
+            problems.append("model.lora.modules_to_save must be empty: fully trained module copies are not a LoRA "
+                            "adapter vLLM can apply per request (train them with model.lora.enable=false)")
+        if self.use_dora:
+            problems.append("model.lora.use_dora=true: vLLM 0.32 cannot serve DoRA adapters (no DoRA kernels)")
+        if self.bias != "none":
+            problems.append(f"model.lora.bias={self.bias}: vLLM 0.32 serves no trained biases in a LoRA adapter; "
+                            "use bias=none")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 # -------------------------------------------------------------------------------------------- model
 class ModelConfig(Section):
     path: str = "assets/tiny-policy"
@@ -107,6 +169,8 @@ class ModelConfig(Section):
     """Recompute activations in backward: less memory, ~30% slower."""
     freeze_vision_tower: bool = False
     """VL policies: keep the vision encoder frozen."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """Train a LoRA adapter instead of the full model, and sync only the adapter."""
 
 
 # ------------------------------------------------------------------------------------------- reward

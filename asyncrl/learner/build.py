@@ -5,8 +5,9 @@ training step; everything here runs once per rank at start-up (or after a reconf
 Contracts: `init_distributed` sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK
 before DeepSpeed is imported, so its accelerator is chosen by DS_ACCELERATOR; `load_policy` loads
 the policy in the training dtype in train mode (gradient checkpointing needs it) and, for a VL
-policy, freezes the vision tower BEFORE the optimizer is built so the optimizer holds only
-trainable parameters; `build_engine` returns an engine whose DeepSpeed config has nominal batch
+policy, freezes the vision tower (with `model.lora.enable`, wraps it in a PEFT LoRA model) BEFORE
+the optimizer is built so the optimizer holds only trainable parameters; `build_engine` returns an
+engine whose DeepSpeed config has nominal batch
 sizes of 1 per micro-step: the learner owns micro-batching and calls `engine.step()` itself
 (unmanaged gradient accumulation). The LR schedule advances per optimizer step, with warmup
 factor (s + 1) / warmup so the first step does not run at LR 0 (both depart from Guided-GRPO:
@@ -27,7 +28,7 @@ from asyncrl.config import Config, LearnerConfig
 from asyncrl.learner.ops import pin_toolchain
 
 __all__ = ["build_ds_config", "lr_factor", "Distributed", "init_distributed", "PolicyModels", "load_policy",
-           "TrainEngine", "build_engine"]
+           "apply_lora", "TrainEngine", "build_engine"]
 
 
 def build_ds_config(lc: LearnerConfig, world_size: int, precision: str) -> dict[str, Any]:
@@ -118,6 +119,22 @@ class PolicyModels:
     is_vl: bool = False
     vl: Any = None  # multimodal.VLInputBuilder for a VL policy
     vl_bias: dict[int, float] = field(default_factory=dict)  # the sampler's placeholder ban
+    ref_adapter_off: bool = False  # LoRA + KL: the reference is `model` with its adapter disabled
+
+
+def apply_lora(model: Any, lora: Any, base_path: str) -> Any:
+    """Wrap `model` in a PEFT LoRA model (`model.lora`): the base is frozen, only `lora_A` /
+    `lora_B` train. `lora_B` starts at zero (PEFT's default), so version 0 is the base model exactly
+    and engines serve it without an adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from asyncrl.weights.adapter import adapter_config
+
+    conf = adapter_config(lora, base_path)
+    peft_cfg = LoraConfig(r=conf["r"], lora_alpha=conf["lora_alpha"], lora_dropout=conf["lora_dropout"],
+                          target_modules=conf["target_modules"], bias=conf["bias"], use_dora=conf["use_dora"],
+                          modules_to_save=conf["modules_to_save"], task_type=conf["task_type"])
+    return get_peft_model(model, peft_cfg)
 
 
 def load_policy(cfg: Config, device: torch.device, dtype: torch.dtype) -> PolicyModels:
@@ -146,8 +163,12 @@ def load_policy(cfg: Config, device: torch.device, dtype: torch.dtype) -> Policy
         float(getattr(model.config, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout"))
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = cfg.model.lora
+    if lora.enable:  # before the optimizer and deepspeed.initialize: only the adapter is trainable
+        model = apply_lora(model, lora, path)
+        has_dropout = has_dropout or lora.dropout > 0
     out = PolicyModels(model=model, tokenizer=tokenizer, pad_id=pad_id, vocab_size=0, has_dropout=has_dropout,
-                       is_vl=is_vl)
+                       is_vl=is_vl, ref_adapter_off=lora.enable and cfg.learner.kl.enable)
     if is_vl:
         from asyncrl.learner.multimodal import VLInputBuilder, freeze_vision_tower, load_vl_processor
         from asyncrl.vision import vision_logit_bias
@@ -161,12 +182,13 @@ def load_policy(cfg: Config, device: torch.device, dtype: torch.dtype) -> Policy
         out.vl = VLInputBuilder(model, load_vl_processor(cfg.model.tokenizer_path or path))
     else:
         out.vocab_size = int(model.config.vocab_size)
-    if cfg.learner.kl.enable and is_vl:
+    # with LoRA the reference is the policy with its adapter disabled (`ref_adapter_off`): no replica
+    if cfg.learner.kl.enable and is_vl and not lora.enable:
         from asyncrl.learner.multimodal import load_vl_model
 
         out.ref_model = load_vl_model(path, **load_kw).to(device).eval()
         out.ref_model.requires_grad_(False)
-    elif cfg.learner.kl.enable:  # frozen initial weights (a full replica per rank; not sharded)
+    elif cfg.learner.kl.enable and not lora.enable:  # frozen initial weights (a replica per rank; not sharded)
         out.ref_model = AutoModelForCausalLM.from_pretrained(path, **load_kw).to(device).eval()
         out.ref_model.requires_grad_(False)
     return out

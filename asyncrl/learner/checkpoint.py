@@ -3,7 +3,10 @@
 Layout of `runs/<exp>/checkpoints/step_N/` (N = learner step = policy version after the step):
 ```
 deepspeed/            DeepSpeed engine state (module, optimizer, LR scheduler; one shard per rank)
-hf/                   HF safetensors export + config + tokenizer (transformers / vLLM load it as is)
+hf/                   HF safetensors export + config + tokenizer (transformers / vLLM load it as is;
+                      with `model.lora` the base merged with the adapter)
+adapter/              `model.lora` only: the adapter in PEFT format (adapter_config.json +
+                      adapter_model.safetensors; `python -m asyncrl.export` reads it)
 trainer_state.json    step, version, LR scheduler, adaptive-KL controller, counters (rank 0)
 rng/rank_<r>.json     python / numpy / torch (/ cuda) RNG state of every rank
 buffer/               slot for the replay-buffer snapshot (filled by the lead before commit)
@@ -38,9 +41,12 @@ import numpy as np
 import torch
 
 __all__ = ["step_dir", "begin", "commit", "atomic_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "write_json", "read_json", "rng_state", "set_rng_state", "write_hf_export", "TRAINER_STATE"]
+           "write_json", "read_json", "rng_state", "set_rng_state", "write_hf_export", "TRAINER_STATE",
+           "ADAPTER_DIR"]
 
 TRAINER_STATE = "trainer_state.json"
+ADAPTER_DIR = "adapter"
+"""`model.lora`: the adapter alone in PEFT format (`hf/` then holds the merged model)."""
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 

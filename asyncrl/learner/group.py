@@ -175,7 +175,7 @@ class LearnerActor:
         """All ranks: export bucket by bucket (same bucket size everywhere, so ZeRO-3 gathers line
         up); rank 0 broadcasts them as the current version and returns the report."""
         bucket_bytes = max(1, int(self.worker.cfg.learner.weights.bucket_mb * 2**20))
-        buckets = self.worker.export_named_tensors(bucket_bytes)
+        buckets = self.worker.export_sync_tensors(bucket_bytes)  # full weights, or the LoRA adapter alone
         if self.worker.rank == 0:
             return self.sender.broadcast(buckets, self.worker.version).as_dict()
         for _ in buckets:  # take part in the gathers (ZeRO-3); a no-op walk otherwise

@@ -75,6 +75,13 @@ from asyncrl.learner.losses import (
     sum_metrics,
     unstack_metrics,
 )
+from asyncrl.weights.adapter import (
+    adapter_config,
+    is_adapter_param,
+    peft_saved_name,
+    sync_kind,
+    write_adapter_dir,
+)
 
 __all__ = ["LearnerWorker", "step_metrics"]
 
@@ -138,6 +145,9 @@ class LearnerWorker:
         self.is_vl, self.vl, self._vl_bias = policy.is_vl, policy.vl, policy.vl_bias
         self._has_dropout = policy.has_dropout
         self.ref_model = policy.ref_model
+        self._ref_adapter_off = policy.ref_adapter_off
+        self.lora = cfg.model.lora.enable
+        self.sync_kind = sync_kind(cfg, warn=rank == 0)  # what a version is on the weight wire
         built = build_engine(self._ds, policy.model, cfg, world_size, self.precision)
         self.engine, self.scheduler, self.ds_config = built.engine, built.scheduler, built.ds_config
         self.total_optim_steps, self.warmup_steps = built.total_optim_steps, built.warmup_steps
@@ -213,6 +223,17 @@ class LearnerWorker:
         model.train(was_training)
         return out
 
+    def _reference_logprobs(self, flat: FlatBatch, plans: list[list[list[int]]],
+                            images: RowImages | None) -> torch.Tensor | None:
+        """Log-probs under the KL reference: the frozen replica, or with LoRA the policy itself
+        with its adapter disabled (the base weights never change, so that is the initial policy)."""
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, flat, plans, images)
+        if self._ref_adapter_off:
+            with self.engine.module.disable_adapter():
+                return self._logprobs(self.engine, flat, plans, images)
+        return None
+
     # --------------------------------------------------------------------------------- planning
     def _plan(self, flat: FlatBatch, rows: np.ndarray) -> list[list[int]]:
         """This rank's micro-batches of one mini-batch; the same count on every rank."""
@@ -275,7 +296,7 @@ class LearnerWorker:
 
         t_prox = time.perf_counter()
         logp_prox = self._logprobs(self.engine, flat, plans, images) if need_prox else None
-        logp_ref = self._logprobs(self.ref_model, flat, plans, images) if self.ref_model is not None else None
+        logp_ref = self._reference_logprobs(flat, plans, images)
         if kc.enable and kc.mode == "reward":  # the penalty needs every row before advantages
             logp_ref = self._all_reduce(logp_ref)
             logp_prox = self._all_reduce(logp_prox) if logp_prox is not None else None
@@ -393,6 +414,8 @@ class LearnerWorker:
         persistent = set(module.state_dict().keys())
         items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         items += [(n, b) for n, b in module.named_buffers() if n in persistent]
+        if self.lora:  # merged: each base weight carries its adapter's delta (`_emit_bucket`)
+            items = [(n, t) for n, t in items if not is_adapter_param(n)]
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
 
@@ -410,6 +433,9 @@ class LearnerWorker:
             yield from self._emit_bucket(bucket, zero3)
 
     def _emit_bucket(self, bucket: list[tuple[str, torch.Tensor]], zero3: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if self.lora:
+            yield self._merged_bucket(bucket, zero3)
+            return
         if not zero3:
             yield [(n, t.detach()) for n, t in bucket]
             return
@@ -417,6 +443,45 @@ class LearnerWorker:
         with self._ds.zero.GatheredParameters(params, modifier_rank=None):
             out = [(n, t.detach().clone()) for n, t in bucket]
         yield out
+
+    def _merged_bucket(self, bucket: list[tuple[str, torch.Tensor]], zero3: bool) -> list[tuple[str, torch.Tensor]]:
+        """A bucket of a LoRA policy under the base model's HF names, each adapted weight merged
+        (W + scaling * B @ A, PEFT's own `get_delta_weight`, which knows each layer's layout).
+        ZeRO-3: the bucket's base weights and their adapters are gathered together."""
+        module = self.engine.module
+        layers = {n: _lora_layer(module, n) for n, _ in bucket}
+        params = [t for _, t in bucket]
+        for layer in filter(None, layers.values()):
+            params += [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+        with self._gathered([p for p in params if hasattr(p, "ds_id")] if zero3 else []):
+            out = []
+            for name, t in bucket:
+                layer, value = layers[name], t.detach()
+                if layer is not None:
+                    value = value + layer.get_delta_weight("default").to(value.dtype)
+                elif zero3:
+                    value = value.clone()
+                out.append((hf_param_name(name), value))
+        return out
+
+    def _gathered(self, params: list[torch.Tensor]) -> Any:
+        from contextlib import nullcontext
+
+        return self._ds.zero.GatheredParameters(params, modifier_rank=None) if params else nullcontext()
+
+    def export_adapter_tensors(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The LoRA adapter alone, one bucket of CPU copies under PEFT's saved names (what
+        `adapter_model.safetensors` holds). ZeRO-3: gathered; every rank must iterate."""
+        params = [(n, p) for n, p in self.engine.module.named_parameters() if is_adapter_param(n)]
+        with self._gathered([p for _, p in params if hasattr(p, "ds_id")] if self.lc.zero_stage == 3 else []):
+            yield [(peft_saved_name(n), p.detach().to("cpu", copy=True)) for n, p in params]
+
+    def export_sync_tensors(self, bucket_bytes: int = 256 * 2**20) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """What one policy version is on the weight wire (`weights.adapter.sync_kind`): the
+        adapter alone, or full weights (merged with the adapter under LoRA)."""
+        if self.sync_kind == "adapter":
+            return self.export_adapter_tensors()
+        return self.export_named_tensors(bucket_bytes)
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
@@ -432,6 +497,10 @@ class LearnerWorker:
         else:
             for _ in buckets:  # take part in the ZeRO-3 gathers
                 pass
+        if self.lora:  # the adapter alone, PEFT format (hf/ holds the merged model)
+            adapter = [nt for bucket in self.export_adapter_tensors() for nt in bucket]
+            if self.rank == 0:
+                write_adapter_dir(d, ckpt.ADAPTER_DIR, adapter, adapter_config(self.cfg.model.lora, self.cfg.model.path))
         ckpt.write_json(d / "rng" / f"rank_{self.rank}.json", ckpt.rng_state())
         if self.rank == 0:
             ckpt.write_json(d / ckpt.TRAINER_STATE, {
@@ -466,3 +535,18 @@ class LearnerWorker:
         """Drop the engine (the process group stays: it belongs to the process)."""
         self.engine = None  # type: ignore[assignment]
         self.ref_model = None
+
+
+def hf_param_name(name: str) -> str:
+    """A PEFT model's parameter name under the base model's HF name
+    (`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _lora_layer(module: Any, name: str) -> Any:
+    """The PEFT LoRA layer whose base weight is `name`, or None."""
+    suffix = ".base_layer.weight"
+    if not name.endswith(suffix):
+        return None
+    layer = module.get_submodule(name[: -len(suffix)])
+    return layer if hasattr(layer, "get_delta_weight") and "default" in getattr(layer, "lora_A", {}) else None
