@@ -12,7 +12,8 @@ with `ModelArchConfigConvertor.derive_max_model_len_and_key`), on the text part 
 - the smallest of `max_position_embeddings`, `n_positions`, `max_seq_len`, `seq_length`,
   `model_max_length`, `max_target_positions`, `max_sequence_length`, `max_seq_length`, `seq_len`,
   except that a `model_max_length` of the text config wins outright (Command-R);
-- capped by the tokenizer's `model_max_length` (tokenizer_config.json of the tokenizer path);
+- not capped by the tokenizer's `model_max_length` (vLLM reads it only for pooling models with
+  absolute positions, `ModelConfig.get_and_verify_max_len`);
 - times the RoPE `factor` unless the rope type is su/longrope/llama3/yarn/deepseek_yarn/
   deepseek_llama_scaling (their `max_position_embeddings` is already scaled) or the model is gemma3;
 - a sliding window does not cap it (vLLM does so only with `disable_sliding_window`, never set here);
@@ -139,9 +140,6 @@ def model_context(model: ModelFiles) -> Context:
         return model_context(ModelFiles(model.key, model.path, model.tokenizer_path,
                                         {**model.config, "text_config": text}, model.tokenizer_config))
     source = f"{key}={tokens:g} {where}"
-    tok_max = model.tokenizer_config.get("model_max_length")
-    if isinstance(tok_max, (int, float)) and tok_max < tokens:
-        tokens, source = tok_max, f"model_max_length={tok_max:g} in {model.tokenizer_path}/tokenizer_config.json"
     factor = rope_factor(text, model.config.get("model_type", ""))
     if factor != 1.0:
         tokens, source = tokens * factor, f"{source} x RoPE factor {factor:g}"

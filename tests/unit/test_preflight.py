@@ -49,7 +49,7 @@ def model_dir(tmp: Path, name: str = "m", config: dict | None = None, tokenizer:
 CONTEXT_CASES = {
     # name: (config.json changes, tokenizer_config.json changes, tokens vLLM derives)
     "plain": ({}, {}, 1024),  # max_position_embeddings 1024, tokenizer model_max_length 1024
-    "tokenizer caps": ({}, {"model_max_length": 512}, 512),  # min(1024, 512)
+    "tokenizer does not cap": ({}, {"model_max_length": 512}, 1024),  # read for pooling models only
     "linear rope x2": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
                        {"model_max_length": None}, 2048),  # 1024 x factor 2
     "yarn is prescaled": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
