@@ -294,11 +294,13 @@ def check_chat_templates(cfg: Config, models: dict[str, ModelFiles]) -> list[Row
     rows = []
     for role, model in models.items():
         key = "model.tokenizer_path" if role == "policy" else "verifier.tokenizer_path"
+        named = key if getattr(cfg.model if role == "policy" else cfg.verifier, "tokenizer_path") else model.key
         ok = model.has_chat_template()
         note = ("; data.override_chat_template is applied by the data filter only, not by the rollout"
                 if role == "policy" and cfg.data.override_chat_template and not ok else "")
         rows.append(Row(f"{role} chat template", ok,
-                        f"{model.tokenizer_path}: {'has a chat template' if ok else 'no chat template'}{note}",
+                        f"{named}={model.tokenizer_path}: {'has a chat template' if ok else 'no chat template'}"
+                        f"{note}",
                         "" if ok else f"add chat_template.jinja to {model.tokenizer_path}, or set {key} to a "
                         "tokenizer with one"))
     return rows
@@ -370,3 +372,27 @@ def verifier_template_tokens(cfg: Config, model: ModelFiles) -> int:
     messages = render_verifier_messages("", None, [], cfg.rollout.guide.prompt_template)
     return len(Tokenizer.from_file(str(path)).encode("\n".join(m["content"] for m in messages),
                                                     add_special_tokens=False).ids)
+
+
+@register_check
+def check_secrets(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
+    """`env:NAME` secrets must be set where they are read: on an embedded cluster every process
+    inherits the driver's environment, so an unset variable here fails the verifier replica and
+    every rollout actor (asyncrl.serve.replica.resolve_secret); CurveZMQ key files must exist."""
+    problems = []
+    secrets = {"verifier.api_key": cfg.verifier.api_key}
+    if cfg.verifier.backend == "http":
+        secrets["verifier.http.api_key"] = cfg.verifier.http.api_key
+    for key, value in secrets.items():
+        name = value[4:] if value.startswith("env:") else None
+        if name and not os.environ.get(name) and not cfg.cluster.ray_address:
+            problems.append(f"{key}=env:{name} but the environment variable {name} is not set")
+    if cfg.buffer.curve.enable:
+        for field_name in ("server_secret_key_file", "server_public_key_file", "client_secret_key_file",
+                           "authorized_clients_dir"):
+            value = getattr(cfg.buffer.curve, field_name)
+            if value and not Path(value).expanduser().exists():
+                problems.append(f"buffer.curve.{field_name}: no such file or directory: {value}")
+    return [Row("secrets", not problems, "; ".join(problems) or "every env: secret is set, key files exist",
+                "export the variables (or give the secret inline) and create the key files "
+                "(zmq.auth.create_certificates)" if problems else "")]

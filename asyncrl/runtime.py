@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.logs import echo, quiet_console, verbose, worker_env
+from asyncrl.logs import echo, log_dir, quiet_console, verbose, worker_env
 from asyncrl.startup import RepeatedFailure, StartupError, StopFlag, check_reachable, say, step_timer
 
 
@@ -167,7 +167,10 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         finally:
             trainer.close()  # before the topology goes: nothing of the run is left to the GC
     except StartupError as exc:
-        echo(f"error: {exc}", err=True)  # one line, first; the traceback below goes to driver.log when quiet
+        line = str(exc)  # one line, first; the traceback below goes to driver.log when quiet
+        if exc.__cause__ is not None and "(traceback: " not in line and not verbose():
+            line += f" (traceback: {log_dir(run_dir) / 'driver.log'})"
+        echo(f"error: {line}", err=True)
         if exc.__cause__ is not None:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         return 1

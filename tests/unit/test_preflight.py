@@ -153,3 +153,14 @@ def test_a_vision_key_on_a_text_model() -> None:
 def test_a_text_history_on_a_vision_model() -> None:
     assert_refused(["model.path=assets/tiny-vl-policy", "rollout.guide.history=guided_grpo",
                     "rollout.guide.train_scope=final_turn"], "rollout.guide.history=guided_grpo")
+
+
+def test_an_unset_secret_and_a_missing_key_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCRL_TEST_NO_SUCH_SECRET", raising=False)
+    cfg = load_config(str(QUICKSTART), ["verifier.api_key=env:ASYNCRL_TEST_NO_SUCH_SECRET", "buffer.curve.enable=true",
+                                        "buffer.curve.server_secret_key_file=/nonexistent/server.key_secret"])
+    (line,) = refusals(check_model(cfg))
+    assert "verifier.api_key=env:ASYNCRL_TEST_NO_SUCH_SECRET" in line and "buffer.curve.server_secret_key_file" in line
+    monkeypatch.setenv("ASYNCRL_TEST_NO_SUCH_SECRET", "s3cret")
+    cfg = load_config(str(QUICKSTART), ["verifier.api_key=env:ASYNCRL_TEST_NO_SUCH_SECRET"])
+    assert refusals(check_model(cfg)) == []
