@@ -59,9 +59,11 @@ def config_from_args(args: argparse.Namespace, require_files: bool = True) -> Co
         recipe, overrides = recipe_source(args)
         if recipe is not None:
             from asyncrl.config import load_guided_grpo
+            from asyncrl.config.loading import split_recipe_overrides
 
             cfg, conv = load_guided_grpo(recipe, overrides)
-            print(conversion_summary(recipe, cfg, conv), file=sys.stderr)
+            native = {item.split("=", 1)[0].strip() for item in split_recipe_overrides(overrides)[1]}
+            print(conversion_summary(recipe, cfg, conv, native), file=sys.stderr)
         else:
             cfg = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -75,9 +77,10 @@ def config_from_args(args: argparse.Namespace, require_files: bool = True) -> Co
     return cfg
 
 
-def conversion_summary(recipe: str, cfg: Config, conv: object) -> str:
+def conversion_summary(recipe: str, cfg: Config, conv: object, native: set[str] | frozenset[str] = frozenset()) -> str:
     """What the conversion of a recipe decided, for the user to read once: every derived value with
-    its reason, the before/after evaluation, the role split table, the grouped warnings."""
+    its reason (or the asyncrl override in `native` that replaced it), the before/after evaluation,
+    the role split table, the grouped warnings."""
     from asyncrl.config.guided_grpo import Conversion
     from asyncrl.config.role_split import role_table
 
@@ -87,7 +90,7 @@ def conversion_summary(recipe: str, cfg: Config, conv: object) -> str:
         value = cfg.model_dump(mode="json")
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
-        lines.append(f"  {key} = {value!r}  # {why}")
+        lines.append(f"  {key} = {value!r}  # " + ("your asyncrl override" if key in native else why))
     if cfg.trainer.eval_before_after and cfg.data.test_files:
         lines.append(f"before/after evaluation: on {cfg.data.test_files} (data.test_files)")
     else:

@@ -364,6 +364,10 @@ def _derive_errors(o: dict[str, Any], user: dict[str, Any], conv: Conversion) ->
     if o["algorithm.adv_estimator"] not in _ESTIMATORS:
         problems.append(f"algorithm.adv_estimator={o['algorithm.adv_estimator']!r}: asyncrl has no critic; use one "
                         f"of {', '.join(_ESTIMATORS)}")
+    for key, allowed in (("worker.actor.loss_type", ("default", "gspo", "gspo_token", "cispo")),
+                         ("worker.actor.loss_avg_mode", ("token", "seq"))):
+        if key in o and o[key] not in allowed:
+            problems.append(f"{key}={o[key]!r}: the original has {', '.join(allowed)}")
     if o.get("trainer.val_only"):
         problems.append(f"trainer.val_only={o['trainer.val_only']}: {KEY_FATES['trainer.val_only'].target.split(': ', 1)[1]}")
     if o.get("trainer.load_checkpoint_path"):
