@@ -54,5 +54,8 @@ print(f"[install] ok: torch {torch.__version__}, torchvision {torchvision.__vers
       f"transformers {transformers.__version__}, ray {ray.__version__}, deepspeed {deepspeed.__version__} "
       f"({time.time() - t:.1f}s to import)")
 PY
+# DeepSpeed's CPU shared-memory comm op, built once here with the venv's own ninja (the learner pins
+# the same toolchain: asyncrl/learner/ops.py), not just-in-time by the first learner of every job.
+HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu "$VENV/bin/python" -m asyncrl.learner.ops
 echo "$HASH" > "$STAMP"
 echo "[install] done in $(( $(date +%s) - t0 ))s"
