@@ -294,7 +294,7 @@ def check_chat_templates(cfg: Config, models: dict[str, ModelFiles]) -> list[Row
     rows = []
     for role, model in models.items():
         key = "model.tokenizer_path" if role == "policy" else "verifier.tokenizer_path"
-        named = key if getattr(cfg.model if role == "policy" else cfg.verifier, "tokenizer_path") else model.key
+        named = key if (cfg.model if role == "policy" else cfg.verifier).tokenizer_path else model.key
         ok = model.has_chat_template()
         note = ("; data.override_chat_template is applied by the data filter only, not by the rollout"
                 if role == "policy" and cfg.data.override_chat_template and not ok else "")
