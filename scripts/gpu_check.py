@@ -1,32 +1,47 @@
 """What one GPU without vLLM, Ray or network can prove about asyncrl, in one prepared run.
 
-    python scripts/gpu_check.py [--out DIR] [--stages S0,S1,...]   # on a CUDA machine (< 10 min on one H200)
-    python scripts/gpu_check.py --cpu [--out DIR]                 # dry mode: every stage that can, small shapes
+    python scripts/gpu_check.py [--wheelhouse DIR] [--out DIR] [--stages S0,S1,...]  # CUDA machine, < 8 min on one H200
+    python scripts/gpu_check.py --cpu [--out DIR]             # dry mode: every stage that can, small shapes
+
+`--wheelhouse DIR` (built by scripts/gpu_wheelhouse.sh: DeepSpeed, pydantic and what they need,
+for Python 3.12) is installed first with `pip --no-index` into a directory put on sys.path, so
+the stages that need them run on a machine that has only torch and transformers.
 
 Stages (each reports status ok / failed / skipped with the reason, and its figures; a missing
-package or device skips only the stages that need it):
-  S0 probe: Python, torch, CUDA, NCCL versions, the device; which of transformers, deepspeed,
-     pydantic, numpy, safetensors, msgpack, yaml, vllm, ray import.
+package or device SKIPS the stages that need it, never fails them):
+  S0 probe: Python, torch, CUDA, NCCL and driver versions, the device; which packages import.
   S1 the learner's chunked logprob / entropy kernels (asyncrl.learner.losses) on bf16 logits at a
      152k vocabulary against an fp32 reference: values, gradients, peak memory vs the unchunked form.
-  S2 the weight wire (asyncrl.weights): bf16 bucket pack/unpack bit-exact on the device;
-     a one-rank NCCL group built the way the weight group builds it, a broadcast bounded by
-     `wait_work`, then `abort_group`; a gloo sender -> receiver round with CUDA tensors (receiver
-     in a thread); pinned vs pageable device-to-host copy throughput. NCCL refuses two ranks on one
-     GPU ("Duplicate GPU detected"), so a multi-rank NCCL group cannot be tested on one device.
-  S3 a memory / throughput model of the learner: decoder layers shaped like Qwen2.5-7B in bf16 with
-     activation checkpointing, per-layer activation memory and tokens/s measured on 1 and 2 layers,
-     extrapolated to every recipe in configs/ (does it fit the GPUs it states?).
-  S4 logprob parity of the tiny policy (assets/tiny-policy) through the learner's forward (same
-     model call and kernel as `Learner._forward_logits`): bf16 on the device vs fp32 on the CPU.
-  S5 a one-rank DeepSpeed engine (ZeRO 0/2/3, bf16 on GPU) doing two optimizer steps on the tiny
-     policy with the learner's log-prob kernel, if deepspeed imports (its wheel is pure Python and
-     can be carried to a machine without network).
+  S2 the weight wire (asyncrl.weights): bf16 bucket pack/unpack bit-exact on the device; a one-rank
+     NCCL group built and connected the way the weight group does it (`connect_group`), a
+     broadcast bounded by `wait_work`, `abort_group`; a gloo sender -> receiver round with CUDA
+     tensors; pinned vs pageable device-to-host copy throughput. (NCCL refuses two ranks on one
+     GPU, "Duplicate GPU detected": a multi-rank NCCL group cannot be tested on one device.)
+  S3 the learner's memory per GPU for every recipe in configs/ (asyncrl.learner.memory, by
+     component: parameters, gradients with fp32 accumulation, optimizer, the KL reference model,
+     checkpointed activations, logits, runtime) against the recipes' 80 GB GPUs, with one
+     Qwen2.5-7B decoder layer's recomputed activations per token measured here (bf16,
+     checkpointed; its parameters' gradients subtracted).
+  S4 logprob parity of the tiny policy (assets/tiny-policy) through the learner's forward: bf16 on
+     the device vs fp32 on the CPU.
+  S5 a one-rank DeepSpeed engine (ZeRO 0/2/3, bf16 on GPU): two optimizer steps on the tiny policy.
+  S6 NCCL failure semantics under torch, in subprocesses: a one-rank collective held back on the
+     GPU (a sleep kernel queued before it) passes its deadline; with the weight group's scoped
+     TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the group is aborted and the process survives torch's
+     watchdog, with torch's default (3) the watchdog kills the process.
+  S7 asyncrl's real `LearnerWorker.train_step` (bf16, ZeRO-3, gradient checkpointing, several
+     micro-batches) on the tiny policy, then `export_named_tensors` through a `WeightSender` into
+     a `WeightReceiver`: bit-exact against the learner's own parameters.
+  S8 left-padded bf16 attention (the learner's batch layout) against each row run unpadded.
+  S9 gradient accumulation over 32 micro-batches under DeepSpeed (ZeRO-1 and ZeRO-3, bf16) with
+     `grad_accum_dtype` fp32 (the learner's config) and bf16 (DeepSpeed's default), against an
+     fp32 reference.
+  S10 the store copy of a 7B bf16 model (15.2 GB) through the sender's pinned host arena: seconds
+     and page-locked bytes per version, first and second version.
 
-Imports only the standard library, torch, transformers, numpy, safetensors and asyncrl modules that
-import nothing else at import time (asyncrl.weights / learner.losses / learner.batching), so it runs where
-pydantic, pyzmq, ray and vllm are absent. Writes `<out>/gpu_check-<date>-<device>.json` and a
-readable summary next to it (also printed).
+Imports only the standard library, torch and asyncrl modules that import nothing else at import
+time; each stage imports what it needs and is skipped if that is missing. Writes
+`<out>/gpu_check-<date>-<device>.json` and a readable summary next to it (also printed).
 """
 
 from __future__ import annotations
@@ -55,13 +70,37 @@ import torch  # noqa: E402
 # Qwen2.5-7B's shape (config.json of the published model)
 QWEN7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
               num_hidden_layers=28, vocab_size=152064)
-# parameter counts of the recipes' models (published model cards), for S3's extrapolation
-MODEL_PARAMS = {"qwen2.5-7b": 7.62e9, "qwen2.5-vl-7b": 8.29e9, "qwen3-14b": 14.8e9, "qwen3-vl-8b": 8.77e9,
-                "qwen3-8b": 8.19e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-0.5b": 0.49e9}
+RECIPE_GPU_BYTES = 80 * 10**9  # the recipes' GPUs (A100/H100 80 GB), not the lent device's 141 GB
 
 
 class Skip(Exception):
     """A stage cannot run here (missing package or device); not a failure."""
+
+
+def _need(*modules: str) -> None:
+    """Skip the stage unless every module imports."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure means: cannot run here
+            raise Skip(f"{name} does not import ({type(exc).__name__}: {exc}); "
+                       "install it (scripts/gpu_wheelhouse.sh, --wheelhouse)") from None
+
+
+def install_wheelhouse(path: Path, target: Path) -> list[str]:
+    """`pip install --no-index --no-deps` every wheel of `path` into `target` and put it first on
+    sys.path (and PYTHONPATH, for the stages' subprocesses). Returns the wheels installed."""
+    import subprocess
+
+    wheels = sorted(str(w) for w in path.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"--wheelhouse {path}: no .whl files there (build it with scripts/gpu_wheelhouse.sh)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--upgrade",
+                    "--target", str(target), *wheels], check=True)
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), str(ROOT), os.environ.get("PYTHONPATH")]))
+    importlib.invalidate_caches()
+    return [Path(w).name for w in wheels]
 
 
 def _device(cpu: bool) -> torch.device:
@@ -88,6 +127,24 @@ def _peak_gib(dev: torch.device) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------- S0
+def _driver_version() -> str:
+    """The NVIDIA driver's version (vLLM 0.32's CUDA 13 build needs >= 580)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout.split()[0]
+    except Exception:  # noqa: BLE001 - no nvidia-smi: the CUDA driver API's number instead
+        try:
+            import ctypes
+
+            v = ctypes.c_int()
+            ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+            return f"CUDA driver API {v.value // 1000}.{v.value % 1000 // 10}"
+        except Exception as exc:  # noqa: BLE001
+            return f"unknown ({type(exc).__name__})"
+
+
 def s0_probe(args) -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda}
@@ -99,6 +156,7 @@ def s0_probe(args) -> dict[str, Any]:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception as exc:  # noqa: BLE001
             out["nccl"] = f"unavailable: {exc}"
+        out["driver"] = _driver_version()
     out["dist_nccl_available"] = torch.distributed.is_nccl_available()
     mods = {}
     for name in ("transformers", "deepspeed", "pydantic", "numpy", "safetensors", "msgpack", "yaml"):
@@ -175,7 +233,7 @@ def s1_kernels(args) -> dict[str, Any]:
 def s2_wire(args) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from asyncrl.weights.group import abort_group, make_group, make_store, wait_work
+    from asyncrl.weights.group import abort_group, connect_group, make_group, make_store, wait_work
     from asyncrl.weights.sender import WeightSender
     from asyncrl.weights.wire import pack_buckets, unpack_bucket
 
@@ -191,18 +249,19 @@ def s2_wire(args) -> dict[str, Any]:
                                        for k, t in tensors.items())
     out["buckets"] = len(buckets)
 
-    # one-rank NCCL group, built as the weight group builds it, bounded wait, abort
+    # one-rank NCCL group, built and connected as the weight group does it, bounded wait, abort
     if dev.type == "cuda" and dist.is_nccl_available():
         store = make_store("127.0.0.1", 0, is_master=True, timeout_s=30)
         t = time.perf_counter()
-        pg = make_group(store, 1, 0, 1, "nccl", 30.0, dev)
+        pg = connect_group(lambda: make_group(store, 1, 0, 1, "nccl", 30.0, dev), dev, time.monotonic() + 60, 150.0)
+        connect_s = time.perf_counter() - t
         flat = buckets[0][1].clone()
         wait_work(pg.broadcast([flat]), time.monotonic() + 30)
-        out["nccl_one_rank"] = {"broadcast_ok": bool(torch.equal(flat, buckets[0][1])),
+        out["nccl_one_rank"] = {"broadcast_ok": bool(torch.equal(flat, buckets[0][1])), "seconds_connect": connect_s,
                                 "seconds_build_and_broadcast": time.perf_counter() - t,
-                                "async_error_handling_during_build": "2 (set by make_group)"}
+                                "error_handling_env_after_build": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
         abort_group(pg)
-        out["nccl_one_rank"]["aborted"] = True
+        out["nccl_one_rank"]["aborted"] = True  # S6 measures what the scoped error handling does
         out["nccl_multi_rank"] = "not testable on one GPU (NCCL refuses two ranks on one device)"
     else:
         out["nccl_one_rank"] = "skipped: no CUDA/NCCL (dry mode)"
@@ -253,6 +312,8 @@ def s2_wire(args) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- S3
 def _decoder_stack(layers: int, dev: torch.device, tiny: bool):
+    """Qwen2.5-7B-shaped decoder layers (tiny in dry mode) with checkpointing, the embedding
+    frozen: what a backward holds beyond the layers' own gradients is their activations."""
     from transformers import Qwen2Config, Qwen2Model
 
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -262,90 +323,103 @@ def _decoder_stack(layers: int, dev: torch.device, tiny: bool):
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     with torch.device(dev):
         model = Qwen2Model(cfg).to(dtype)
-    model.gradient_checkpointing_enable()
+    model.embed_tokens.requires_grad_(False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model, cfg
 
 
-def s3_memory_model(args) -> dict[str, Any]:
-    dev = _device(args.cpu)
-    tiny = args.cpu
-    seq, batch = (128, 2) if tiny else (4096, 2)
-    per: dict[int, dict[str, float]] = {}
-    for layers in (1, 2):
-        model, cfg = _decoder_stack(layers, dev, tiny)
-        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
-        params = sum(p.numel() for p in model.parameters())
-        for _ in range(2):  # warm-up, then measured
-            _peak_reset(dev)
-            base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-            t = time.perf_counter()
-            h = model(input_ids=ids, use_cache=False).last_hidden_state
-            h.float().pow(2).mean().backward()
-            _sync(dev)
-            secs = time.perf_counter() - t
-            peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if dev.type == "cuda" else float("nan")
-            model.zero_grad(set_to_none=True)
-        per[layers] = {"params": params, "seconds": secs, "peak_gib": peak}
-        del model, h
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    tokens = seq * batch
-    layer_s = per[2]["seconds"] - per[1]["seconds"]
-    layer_act_gib = per[2]["peak_gib"] - per[1]["peak_gib"]
-    act_per_token_per_layer = layer_act_gib / tokens if not math.isnan(layer_act_gib) else None
-    out: dict[str, Any] = {"tokens_per_micro_batch": tokens, "measured": per,
-                           "seconds_per_layer_fwd_bwd": layer_s,
-                           "tokens_per_s_per_layer": tokens / layer_s if layer_s > 0 else None,
-                           "activation_gib_per_token_per_layer": act_per_token_per_layer,
-                           "shape": "tiny (dry mode)" if tiny else "Qwen2.5-7B layer"}
-    out["recipes"] = _recipes(act_per_token_per_layer, out["tokens_per_s_per_layer"], args)
+def _measure_layers(layers: int, dev: torch.device, tiny: bool, seq: int, batch: int) -> dict[str, float]:
+    model, cfg = _decoder_stack(layers, dev, tiny)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
+    layer_params = sum(p.numel() for p in model.layers.parameters())
+    elem = next(model.layers.parameters()).element_size()
+    for _ in range(2):  # warm-up, then measured
+        model.zero_grad(set_to_none=True)
+        _peak_reset(dev)
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        t = time.perf_counter()
+        h = model(input_ids=ids, use_cache=False).last_hidden_state
+        h.float().pow(2).mean().backward()
+        _sync(dev)
+        secs = time.perf_counter() - t
+        peak = (torch.cuda.max_memory_allocated(dev) - base) if dev.type == "cuda" else float("nan")
+    out = {"layers": layers, "layer_params": layer_params, "seconds": secs, "peak_extra_bytes": peak,
+           "layer_grad_bytes": layer_params * elem, "hidden": cfg.hidden_size}
+    del model, h
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
-def _recipes(act_per_token_layer: float | None, tok_s_layer: float | None, args) -> list[dict[str, Any]]:
-    """Per-GPU learner memory of each recipe: bf16 weights + bf16 grads + fp32 master + Adam
-    (16 B/param) divided by ZeRO as DeepSpeed does, + activations (checkpointed, measured per
-    token per layer) of one micro-batch + its chunked-logit peak; vs the device's memory."""
+def s3_memory_model(args) -> dict[str, Any]:
+    _need("transformers")
+    from asyncrl.learner.memory import GiB
+
+    dev = _device(args.cpu)
+    tiny = args.cpu
+    seq, batch = (128, 2) if tiny else (4096, 2)
+    tokens = seq * batch
+    one, two = (_measure_layers(n, dev, tiny, seq, batch) for n in (1, 2))
+    elem = 4 if dev.type == "cpu" else 2
+    act_per_token = None
+    if dev.type == "cuda":  # one layer's peak beyond its gradients and the layer-boundary states
+        act = one["peak_extra_bytes"] - one["layer_grad_bytes"] - 2 * tokens * one["hidden"] * elem
+        act_per_token = max(0.0, act / tokens)
+    layer_s = two["seconds"] - one["seconds"]
+    out: dict[str, Any] = {"tokens_per_micro_batch": tokens, "measured": {"1_layer": one, "2_layers": two},
+                           "recompute_activation_bytes_per_token_per_layer": act_per_token,
+                           "seconds_per_layer_fwd_bwd": layer_s,
+                           "tokens_per_s_per_layer": tokens / layer_s if layer_s > 0 else None,
+                           "shape": "tiny (dry mode)" if tiny else "Qwen2.5-7B layer, bf16, checkpointed",
+                           "budget_gib": RECIPE_GPU_BYTES / GiB}
+    out["recipes"] = _recipes(act_per_token, out["tokens_per_s_per_layer"])
+    return out
+
+
+def _recipes(act_per_token_layer: float | None, tok_s_layer: float | None) -> list[dict[str, Any]]:
+    """Per-GPU learner memory of each GPU recipe in configs/ (asyncrl.learner.memory, by
+    component) against the recipes' 80 GB GPUs."""
     try:
         import yaml
     except Exception:  # noqa: BLE001
         return [{"skipped": "pyyaml missing"}]
-    gib = (torch.cuda.get_device_properties(0).total_memory / 2**30) if torch.cuda.is_available() else 141.0
+    from asyncrl.learner.memory import GiB, describe, rank_bytes, shape_for
+
     rows = []
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text()) or {}
-        learner, model = doc.get("learner") or {}, str((doc.get("model") or {}).get("path", "")).lower()
+        learner, model = doc.get("learner") or {}, str((doc.get("model") or {}).get("path", ""))
         gpus = int(learner.get("num_gpus", 0))
         if gpus <= 0:
             continue
-        name = next((k for k in sorted(MODEL_PARAMS, key=len, reverse=True) if k in model.replace("_", "-")), None)
-        if name is None:
+        shape = shape_for(model)
+        if shape is None:
             rows.append({"recipe": path.name, "skipped": f"unknown model size for {model!r}"})
             continue
-        p = MODEL_PARAMS[name]
         stage = int(learner.get("zero_stage", 1))
-        weights = 2 * p / (gpus if stage == 3 else 1)
-        grads = 2 * p / (gpus if stage >= 2 else 1)
-        optim = 12 * p / (gpus if stage >= 1 else 1)
         tokens = int(learner.get("micro_batch_tokens", 8192))
-        layers = 48 if "14b" in name else 28
-        act = (act_per_token_layer or 0.0) * 2**30 * tokens * layers
-        logits = tokens * QWEN7B["vocab_size"] * 2 * 2 + 2 * 1024 * QWEN7B["vocab_size"] * 4
-        need = (weights + grads + optim + act + logits) / 2**30
-        row = {"recipe": path.name, "model": name, "learner_gpus": gpus, "zero_stage": stage,
-               "micro_batch_tokens": tokens, "estimated_gib_per_gpu": round(need, 1), "device_gib": round(gib, 1),
-               "fits": need < 0.9 * gib}
+        kl = bool((learner.get("kl") or {}).get("enable", False))
+        bf16 = learner.get("precision", "auto") != "fp32"
+        parts = rank_bytes(shape, ranks=gpus, zero_stage=stage, bf16=bf16, micro_batch_tokens=tokens,
+                           reference=kl, act_bytes_per_token_layer=act_per_token_layer, gpu=True)
+        total = sum(parts.values())
+        row = {"recipe": path.name, "model": shape.name, "learner_gpus": gpus, "zero_stage": stage,
+               "micro_batch_tokens": tokens, "kl_reference": kl, "estimated_gib_per_gpu": round(total / GiB, 1),
+               "budget_gib": round(RECIPE_GPU_BYTES / GiB, 1), "fits": total < 0.9 * RECIPE_GPU_BYTES,
+               "components_gib": {k: round(v / GiB, 2) for k, v in parts.items()},
+               "summary": describe(parts, RECIPE_GPU_BYTES)}
         if act_per_token_layer is None:
-            row["note"] = "activations not measured (CPU dry mode): weights, grads, optimizer and logits only"
+            row["note"] = "recompute activations not measured (CPU dry mode): the model's default per-token factor"
         if tok_s_layer:
-            row["estimated_train_tokens_per_s_per_gpu"] = round(tok_s_layer / layers * (7.62e9 / p), 1)
+            row["estimated_train_tokens_per_s_per_gpu"] = round(tok_s_layer / shape.layers * (7.62e9 / shape.params), 1)
         rows.append(row)
     return rows
 
 
 # ---------------------------------------------------------------------------------------- S4
 def _tiny_policy(dtype: torch.dtype, dev: torch.device):
+    _need("transformers")
     from transformers import AutoModelForCausalLM
 
     path = ROOT / "assets" / "tiny-policy"
@@ -367,6 +441,7 @@ def _learner_logprobs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor
 
 
 def s4_parity(args) -> dict[str, Any]:
+    _need("transformers")
     dev = torch.device("cpu") if args.cpu else _device(False)
     ref_model = _tiny_policy(torch.float32, torch.device("cpu")).eval()
     test_model = _tiny_policy(torch.bfloat16, dev).eval()
@@ -390,13 +465,7 @@ def s5_deepspeed(args) -> dict[str, Any]:
         raise Skip(f"deepspeed does not import ({type(exc).__name__}: {exc}); carry its wheel to run S5") from None
 
     dev = torch.device("cpu") if args.cpu else _device(False)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl", auto_mpi_discovery=False)
+    _init_one_rank(deepspeed, dev)
     g = torch.Generator().manual_seed(3)
     out: dict[str, Any] = {"deepspeed": deepspeed.__version__}
     stages = (0, 3) if args.cpu else (0, 2, 3)
@@ -423,7 +492,276 @@ def s5_deepspeed(args) -> dict[str, Any]:
     return out
 
 
-STAGES = {"S0": s0_probe, "S1": s1_kernels, "S2": s2_wire, "S3": s3_memory_model, "S4": s4_parity, "S5": s5_deepspeed}
+# ---------------------------------------------------------------------------------------- S6
+NCCL_CHILD = r"""
+import json, os, sys, time
+from datetime import timedelta
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from asyncrl.weights import group as g
+
+mode = sys.argv[2]
+dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
+store = g.make_store("127.0.0.1", 0, is_master=True, timeout_s=30)
+if mode == "scoped":  # the weight group's way: make_group, error handling 2 while it is constructed
+    g.backstop_timeout = lambda timeout_s: timedelta(seconds=3)  # the group's own (watchdog) timeout
+    pg = g.make_group(store, 1, 0, 1, "nccl", 1.0, dev)
+else:  # torch's default error handling (3): a timed-out collective tears the process down
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=3)
+    pg = dist.ProcessGroupNCCL(dist.PrefixStore("default", store), 0, 1, opts)
+x = torch.ones(1 << 20, device=dev)
+g.wait_work(pg.broadcast([x]), time.monotonic() + 60)  # the communicator exists now
+torch.cuda.synchronize()
+torch.cuda._sleep(int(3e10))  # ~15 s of GPU time queued ahead of the next collective
+work = pg.broadcast([x])
+t = time.monotonic()
+try:
+    g.wait_work(work, time.monotonic() + 1.0)
+    status = "completed"
+except g.CollectiveTimeout:
+    status = "passed_deadline"
+print(json.dumps({"event": "deadline", "status": status, "s": round(time.monotonic() - t, 3)}), flush=True)
+if mode == "scoped":
+    g.abort_group(pg)
+time.sleep(12)  # well past the group's 3 s timeout: torch's watchdog has acted by now
+print(json.dumps({"event": "alive_after_watchdog"}), flush=True)
+os._exit(0)
+"""
+
+
+def s6_nccl_failure(args) -> dict[str, Any]:
+    """A collective past its deadline: the scoped error handling keeps the process, torch's
+    default kills it (what `make_group`'s TORCH_NCCL_ASYNC_ERROR_HANDLING=2 is for)."""
+    import subprocess
+
+    if args.cpu or not torch.cuda.is_available():
+        raise Skip("needs a CUDA device (NCCL)")
+    if not torch.distributed.is_nccl_available():
+        raise Skip("torch has no NCCL")
+    out: dict[str, Any] = {}
+    for mode in ("scoped", "default"):
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", NCCL_CHILD, str(ROOT), mode], capture_output=True, text=True,
+                              timeout=120)
+        events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        out[mode] = {"returncode": proc.returncode, "events": events, "seconds": round(time.perf_counter() - t, 1),
+                     "stderr_tail": proc.stderr[-600:]}
+    scoped, default = out["scoped"], out["default"]
+    passed = [e.get("status") for e in scoped["events"] if e["event"] == "deadline"] == ["passed_deadline"]
+    out["scoped_survives"] = scoped["returncode"] == 0 and any(e["event"] == "alive_after_watchdog"
+                                                                for e in scoped["events"])
+    out["default_dies"] = default["returncode"] != 0 and not any(e["event"] == "alive_after_watchdog"
+                                                                  for e in default["events"])
+    out["ok"] = passed and out["scoped_survives"] and out["default_dies"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- S7
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _learner_config(args, tmp: str, **over: Any):
+    from asyncrl.config import load_config
+
+    items = {"model.path": str(ROOT / "assets" / "tiny-policy"), "trainer.run_dir": tmp, "learner.zero_stage": 3,
+             "model.gradient_checkpointing": True, "learner.micro_batch_tokens": 96, "learner.mini_batches": 1,
+             "learner.optim.lr": 1e-4, **({"learner.cpu_ranks": 1} if args.cpu else {"learner.num_gpus": 1})}
+    items.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in items.items()])
+
+
+def s7_learner_step(args) -> dict[str, Any]:
+    _need("deepspeed", "pydantic", "transformers", "yaml", "msgpack")
+    import tempfile
+
+    from asyncrl.bench.learner import synthetic_groups
+    from asyncrl.learner.learner import LearnerWorker
+    from asyncrl.weights.receiver import WeightReceiver
+    from asyncrl.weights.sender import WeightSender
+
+    if not (ROOT / "assets" / "tiny-policy" / "config.json").exists():
+        raise Skip("assets/tiny-policy missing")
+    _device(args.cpu)
+    cfg = _learner_config(args, tempfile.mkdtemp(prefix="gpu-check-learner-"))
+    t = time.perf_counter()
+    worker = LearnerWorker(cfg, 0, 1, "127.0.0.1", _free_port())
+    build_s = time.perf_counter() - t
+    bucket = 256 * 1024
+
+    def full() -> dict[str, torch.Tensor]:
+        return {n: x.detach().to("cpu", copy=True) for b in worker.export_named_tensors(bucket) for n, x in b}
+
+    before = full()
+    t = time.perf_counter()
+    metrics = worker.train_step(synthetic_groups(4, 4, worker.vocab_size, (4, 12), (8, 40), seed=7))
+    step_s = time.perf_counter() - t
+    after = full()
+    moved = max(float((after[k].float() - before[k].float()).abs().max()) for k in after)
+    sender = WeightSender(argparse.Namespace(bucket_mb=0.25, gloo_bucket_mb=0.25, backend="gloo", timeout_s=60.0,
+                                             host="127.0.0.1"), members=["r0"])
+    box: dict[str, Any] = {}
+    th = threading.Thread(target=lambda: box.update(res=WeightReceiver(sender.address, "r0", 60.0).receive(None)),
+                          daemon=True)
+    th.start()
+    report = sender.broadcast(worker.export_named_tensors(bucket), worker.version)
+    th.join(120)
+    sender.close()
+    got = dict(box.get("res", {}).get("tensors") or [])
+    exact = bool(got) and set(got) == set(after) and all(
+        torch.equal(got[k].cpu().view(torch.uint8), after[k].contiguous().view(torch.uint8)) for k in after)
+    out = {"precision": worker.precision, "zero_stage": 3, "gradient_checkpointing": True,
+           "micro_batches": metrics.get("perf/micro_batches"), "loss_pg": metrics.get("loss/pg"),
+           "grad_norm": metrics.get("train/grad_norm"), "optimizer_steps": metrics.get("train/optimizer_steps"),
+           "max_param_change": moved, "seconds_build": build_s, "seconds_step": step_s,
+           "export_round": {"status": box.get("res", {}).get("status"), "acked": report.acked,
+                            "buckets": report.buckets, "bytes": report.bytes, "bit_exact": exact}}
+    out["ok"] = (math.isfinite(float(metrics.get("loss/pg", float("nan")))) and moved > 0 and exact
+                 and (metrics.get("perf/micro_batches") or 0) > 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- S8
+def s8_left_padding(args) -> dict[str, Any]:
+    """The learner's layout (prompts left-padded, responses right-padded, positions counting real
+    tokens only) in bf16 against each row alone: padding must not change a response logprob
+    beyond bf16 noise."""
+    from asyncrl.learner.losses import logprobs_from_logits
+
+    dev = torch.device("cpu") if args.cpu else _device(False)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    model = _tiny_policy(dtype, dev).eval()
+    g = torch.Generator().manual_seed(8)
+    vocab = model.config.vocab_size
+    rows = [(torch.randint(3, vocab, (p,), generator=g), torch.randint(3, vocab, (r,), generator=g))
+            for p, r in ((5, 30), (17, 9), (2, 22), (11, 15))]
+    pm, tm = max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
+    ids = torch.zeros(len(rows), pm + tm, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(rows):
+        ids[i, pm - len(p):pm], ids[i, pm:pm + len(r)] = p, r
+        mask[i, pm - len(p):pm + len(r)] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                       use_cache=False).logits[:, pm - 1:-1]
+        batched = logprobs_from_logits(logits, ids[:, pm:].to(dev)).float().cpu()
+        worst = 0.0
+        for i, (p, r) in enumerate(rows):
+            alone = _learner_logprobs(model, torch.cat([p, r])[None].to(dev), len(p)).float().cpu()[0]
+            worst = max(worst, float((batched[i, :len(r)] - alone).abs().max()))
+    return {"dtype": str(dtype), "rows": len(rows), "max_abs_diff_padded_vs_alone": worst,
+            "ok": worst < (1e-4 if args.cpu else 0.1)}
+
+
+# ---------------------------------------------------------------------------------------- S9
+def s9_grad_accumulation(args) -> dict[str, Any]:
+    _need("deepspeed", "pydantic", "transformers")
+    if args.cpu:
+        raise Skip("bf16 accumulation error is a GPU (bf16) measurement; the config itself is unit-tested")
+    import tempfile
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from asyncrl.learner.build import build_ds_config
+
+    dev = _device(False)
+    _init_one_rank(deepspeed, dev)
+    micro = 32
+    g = torch.Generator().manual_seed(9)
+    vocab = _tiny_policy(torch.float32, torch.device("cpu")).config.vocab_size
+    batches = [torch.randint(3, vocab, (2, 48), generator=g) for _ in range(micro)]
+    # reference: the same bf16 micro-batch gradients, summed in float64
+    ref_model = _tiny_policy(torch.bfloat16, dev).train()
+    ref: dict[str, torch.Tensor] = {}
+    for ids in batches:
+        ref_model.zero_grad(set_to_none=True)
+        (-_learner_logprobs(ref_model, ids.to(dev), 8).float().mean() / micro).backward()
+        for n, p in ref_model.named_parameters():
+            ref[n] = ref.get(n, 0) + p.grad.double()
+    out: dict[str, Any] = {"micro_batches": micro}
+    for stage in (1, 3):
+        for accum in ("fp32", "bf16"):
+            cfg = _learner_config(args, tempfile.mkdtemp(prefix="gpu-check-accum-"), **{"learner.zero_stage": stage})
+            ds = build_ds_config(cfg.learner, 1, "bf16")
+            if accum == "bf16":
+                ds.pop("data_types", None)  # DeepSpeed's default: accumulate in the model's dtype
+            model = _tiny_policy(torch.float32, torch.device("cpu"))
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
+                                              config=ds)
+            for ids in batches:
+                engine.backward(-_learner_logprobs(engine, ids.to(engine.device), 8).float().mean() / micro)
+            num = den = 0.0
+            for n, p in engine.module.named_parameters():
+                got = safe_get_full_grad(p)
+                if got is None:
+                    continue
+                num += float((got.double() - ref[n]).pow(2).sum())
+                den += float(ref[n].pow(2).sum())
+            out[f"zero{stage}_{accum}"] = {"relative_error": math.sqrt(num / max(den, 1e-30)),
+                                           "data_types": ds.get("data_types")}
+            del engine, model
+            torch.cuda.empty_cache()
+    out["ok"] = all(out[f"zero{s}_fp32"]["relative_error"] <= out[f"zero{s}_bf16"]["relative_error"] for s in (1, 3))
+    return out
+
+
+def _init_one_rank(deepspeed: Any, dev: torch.device) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl", auto_mpi_discovery=False)
+
+
+# ---------------------------------------------------------------------------------------- S10
+def s10_pinned_publish(args) -> dict[str, Any]:
+    """The store copy of a 7B bf16 model through the sender's host arena (exactly one version
+    page-locked, reused), against torch's caching host allocator (`pin_memory=True` per bucket,
+    rounded up to powers of two and kept for the life of the process)."""
+    from asyncrl.weights.sender import WeightSender
+
+    dev = torch.device("cpu") if args.cpu else _device(False)
+    total = 64 * 2**20 if args.cpu else int(7.62e9) * 2  # bytes of bf16 parameters
+    bucket_mb = 8.0 if args.cpu else 700.0  # not a power of two: shows the allocator's rounding
+    n = max(1, total // (int(bucket_mb * 2**20)))
+    numel = total // n // 2
+    params = [(f"layer{i}.w", torch.empty(numel, dtype=torch.bfloat16, device=dev).fill_(i % 7)) for i in range(n)]
+    published: list[float] = []
+    backend = "gloo" if args.cpu else "nccl"
+    sender = WeightSender(argparse.Namespace(bucket_mb=bucket_mb, gloo_bucket_mb=bucket_mb, backend=backend,
+                                             timeout_s=60.0, host="127.0.0.1"), publish=True)
+    sender.publish_fn = lambda buckets, version, name: published.append(time.perf_counter())
+    out: dict[str, Any] = {"model_bytes": n * numel * 2, "buckets": n, "bucket_mb": bucket_mb}
+    for version in (1, 2):
+        t = time.perf_counter()
+        report = sender.broadcast(params, version)
+        sender.flush()
+        out[f"v{version}"] = {"seconds": round(time.perf_counter() - t, 3), "publish_wait_s": report.publish_wait_s,
+                              "pinned_bytes": sender.arena.pinned_bytes}
+    sender.close()
+    if dev.type == "cuda" and hasattr(torch.cuda, "host_memory_stats"):  # the old way, one version, for scale
+        before = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+        copies = [torch.empty(numel, dtype=torch.bfloat16, pin_memory=True) for _ in range(n)]
+        out["caching_allocator_pinned_bytes_one_version"] = (
+            torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) - before)
+        del copies
+    out["ok"] = out["v2"]["pinned_bytes"] <= 1.01 * out["model_bytes"] + 64 * n and len(published) == 2
+    return out
+
+
+STAGES = {"S0": s0_probe, "S1": s1_kernels, "S2": s2_wire, "S3": s3_memory_model, "S4": s4_parity, "S5": s5_deepspeed,
+          "S6": s6_nccl_failure, "S7": s7_learner_step, "S8": s8_left_padding, "S9": s9_grad_accumulation,
+          "S10": s10_pinned_publish}
 
 
 def summary_text(result: dict[str, Any]) -> str:
@@ -431,7 +769,7 @@ def summary_text(result: dict[str, Any]) -> str:
     for name, stage in result["stages"].items():
         status = stage["status"]
         detail = stage.get("reason") or stage.get("error", "")
-        lines.append(f"  {name} {STAGES[name].__name__[3:]:<14} {status:<8} {stage['seconds']:7.1f}s  {detail}")
+        lines.append(f"  {name:<3} {STAGES[name].__name__.split('_', 1)[1]:<16} {status:<8} {stage['seconds']:7.1f}s  {detail}")
         fig = stage.get("result") or {}
         for key, val in fig.items():
             if key in ("recipes",):
@@ -447,11 +785,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="dry mode on the CPU: small shapes, every stage that can")
     parser.add_argument("--out", default=str(ROOT / "docs" / "gpu_check"), help="directory for the JSON and summary")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset, e.g. S0,S1,S2")
+    parser.add_argument("--wheelhouse", default=None,
+                        help="directory of wheels (scripts/gpu_wheelhouse.sh) to install first, offline")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
     result: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device,
                               "mode": "cpu-dry" if args.cpu else "gpu", "stages": {}}
+    if args.wheelhouse:
+        t = time.perf_counter()
+        target = Path(os.environ.get("TMPDIR", "/tmp")) / "asyncrl-gpu-check-site"
+        result["wheelhouse"] = {"installed": install_wheelhouse(Path(args.wheelhouse), target),
+                                "target": str(target), "seconds": time.perf_counter() - t}
     for name in [s.strip() for s in args.stages.split(",") if s.strip()]:
         t = time.perf_counter()
         try:

@@ -74,14 +74,78 @@ def find_weight_store(name: str = STORE_NAME) -> Any:
         return None
 
 
-def host_copy(flat: torch.Tensor) -> torch.Tensor:
-    """A host copy of a bucket for the store: a plain copy on the CPU; from a GPU, a pinned
-    buffer filled asynchronously on the current stream (the publisher waits on an event)."""
-    if flat.device.type != "cuda":
-        return flat.to("cpu", copy=True)
-    buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    buf.copy_(flat, non_blocking=True)
+ALIGN = 64  # bytes; bucket offsets in the arena
+
+
+def _page_locked(nbytes: int, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory, page-locked with cudaHostRegister when `pin`: exactly that size.
+    (`pin_memory=True` goes through torch's caching host allocator, which rounds every block up
+    to a power of two and keeps it pinned for the life of the process.)"""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if pin and nbytes:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)})")
     return buf
+
+
+def _release(buf: torch.Tensor | None, pin: bool) -> None:
+    if buf is not None and pin and buf.numel():
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+class HostArena:
+    """The host side of the store copy: ONE buffer the size of a version, reused by every
+    published version (page-locked on GPU learners: device-to-host copies then run
+    asynchronously at full speed). The first version learns the size (its buckets that do not
+    fit go to exact-size overflow buffers); `begin()` of the next one grows the arena to it.
+    The caller must not begin a version while a publish still reads the previous one
+    (`WeightSender` flushes its publisher first). `pinned_bytes` = what is page-locked now."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.arena: torch.Tensor | None = None
+        self.used = 0
+        self.need = 0  # bytes of the largest version so far
+        self.overflow: list[torch.Tensor] = []
+
+    @property
+    def pinned_bytes(self) -> int:
+        if not self.pin:
+            return 0
+        return (self.arena.numel() if self.arena is not None else 0) + sum(b.numel() for b in self.overflow)
+
+    def begin(self) -> None:
+        """Start a version's copies at the arena's start (the previous version is published)."""
+        for buf in self.overflow:
+            _release(buf, self.pin)
+        self.overflow = []
+        if self.need > (self.arena.numel() if self.arena is not None else 0):
+            _release(self.arena, self.pin)
+            self.arena = None  # freed before the larger one is taken
+            self.arena = _page_locked(self.need, self.pin)
+        self.used = 0
+
+    def copy(self, flat: torch.Tensor) -> torch.Tensor:
+        """A host copy of one bucket, a view into the arena (or an overflow buffer); from a GPU
+        the copy is queued on the current stream (the publisher waits on an event)."""
+        nbytes = flat.numel() * flat.element_size()
+        start = -(-self.used // ALIGN) * ALIGN  # every bucket starts aligned for any dtype's view
+        self.need = max(self.need, start + nbytes)
+        if self.arena is not None and start + nbytes <= self.arena.numel():
+            raw = self.arena[start:start + nbytes]
+        else:
+            raw = _page_locked(nbytes, self.pin)
+            self.overflow.append(raw)
+        self.used = start + nbytes
+        out = raw.view(flat.dtype).view(flat.shape)
+        out.copy_(flat.detach(), non_blocking=flat.device.type == "cuda")
+        return out
+
+    def close(self) -> None:
+        for buf in [self.arena, *self.overflow]:
+            _release(buf, self.pin)
+        self.arena, self.overflow = None, []
 
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 

@@ -16,7 +16,13 @@ from types import SimpleNamespace
 import torch
 
 from asyncrl.weights.sender import WeightSender
-from asyncrl.weights.wire import bucket_fingerprint, fingerprint_mismatches, pack_buckets, sample_index
+from asyncrl.weights.wire import (
+    bucket_fingerprint,
+    fingerprint_mismatches,
+    pack_buckets,
+    sample_index,
+    unpack_bucket,
+)
 
 
 def sender(mode: str = "background", every: int = 1) -> WeightSender:
@@ -111,3 +117,34 @@ def test_fingerprint_is_deterministic_exact_and_sensitive():
     bad[int(sample_index("w", 1000)[3])] += 1e-6  # one sampled element, by one ulp-ish step
     assert fingerprint_mismatches(fp, bucket_fingerprint(m, bad)) == ["w"]
     assert fingerprint_mismatches(fp, {}) == ["w"]  # a missing tensor is a mismatch
+
+
+def test_store_copies_reuse_one_host_arena():
+    # The store copy of every published version lands in ONE host buffer (page-locked on a GPU
+    # learner; plain memory here, same logic): the first version learns the size, every later
+    # version is copied into the same storage, exact values each time, the previous version
+    # having been published before its bytes are overwritten. Mixed dtypes (an odd count of bf16
+    # elements before fp32) check the aligned offsets.
+    s = sender()
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    ptrs: dict[int, list[int]] = {}
+
+    def publish(buckets, version, name):
+        seen[version] = {n: t.clone() for m, f in buckets for n, t in unpack_bucket(m, f)}
+        ptrs[version] = [f.data_ptr() for _, f in buckets]
+
+    def mixed(v: int) -> list[tuple[str, torch.Tensor]]:
+        return [("h", torch.full((3,), float(v), dtype=torch.bfloat16)), ("a", torch.full((700,), float(v))),
+                ("b", torch.arange(10, dtype=torch.int64) + v)]
+
+    s.publish_fn = publish
+    for v in (1, 2, 3):
+        s.broadcast(mixed(v), v)
+        s.flush()
+        assert {n: t.tolist() for n, t in seen[v].items()} == {n: t.tolist() for n, t in mixed(v)}
+    arena = s.arena.arena
+    lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    assert arena.numel() == s.arena.need and not s.arena.overflow  # sized by version 1, no overflow after
+    assert all(lo <= p < hi for p in ptrs[2] + ptrs[3]) and ptrs[2] == ptrs[3]  # the same storage reused
+    assert not any(lo <= p < hi for p in ptrs[1])  # version 1 went to exact-size overflow buffers
+    s.close()

@@ -1,0 +1,103 @@
+"""Memory of one learner rank, by component, before anything starts.
+
+Plain arithmetic on a model's published dimensions and the learner's settings, so it runs where
+nothing else of asyncrl does (scripts/gpu_check.py on a bare GPU machine) and before a launch
+starts a process. Every component is named with its bytes, so a configuration that cannot fit
+says what takes the memory.
+
+What a rank holds (DeepSpeed 0.19.8 as `asyncrl.learner.build` configures it; P = parameters,
+N = ranks, w = 2 bytes in bf16, 4 in fp32; "/N" where the ZeRO stage partitions it):
+- parameters: w*P (/N from stage 3);
+- gradients: from stage 2 the rank's fp32 gradient partition 4*P/N (bf16 accumulates in fp32,
+  `grad_accum_dtype`; each bucket's model-dtype gradient is transient); at stage 1 the full
+  model-dtype .grad w*P plus the fp32 accumulation 4*P (bf16) or DeepSpeed's flat fp32 partition
+  4*P/N (fp32); at stage 0 the .grad w*P;
+- optimizer: fp32 master weights 4*P and Adam's two moments 8*P (/N from stage 1); in fp32 the
+  master copy is still DeepSpeed's own flat partition under ZeRO 1-3 (4*P/N), none at stage 0;
+- reference model (`learner.kl.enable`, not LoRA): a full replica in the model dtype, w*P;
+- activations with gradient checkpointing: the hidden state kept at every layer boundary
+  (tokens * hidden * w per layer) plus one layer's recomputed activations during its backward
+  (measured by gpu_check S3 per token; else `LAYER_ACT_FACTOR` hidden-state equivalents);
+- logits: the micro-batch's logits in the model dtype and their gradient (2 * tokens * vocab * w)
+  plus two fp32 chunks of the chunked log-softmax (2 * 2 * chunk_rows * vocab * 4);
+- runtime: the CUDA context, NCCL and allocator slack on a GPU (`GPU_RUNTIME_BYTES`), the
+  interpreter and libraries on a CPU (`CPU_RUNTIME_BYTES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10**9
+GiB = 2**30
+GPU_RUNTIME_BYTES = 4 * GiB  # CUDA context (~0.5-1 GiB), NCCL buffers, caching-allocator fragmentation
+CPU_RUNTIME_BYTES = int(1.5 * GiB)  # python, torch, transformers, DeepSpeed, Ray worker
+LAYER_ACT_FACTOR = 17  # one layer's saved activations ~ 17 hidden-state elements per token (34 h bytes in bf16)
+CHUNK_ROWS = 1024  # the learner's log-softmax chunk (asyncrl.learner.losses)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Published dimensions of a model (its config.json)."""
+
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    vocab: int
+
+
+# From the published config.json of each model (parameter counts from the model cards).
+SHAPES = {
+    "qwen2.5-0.5b": ModelShape("qwen2.5-0.5b", 0.494e9, 24, 896, 151936),
+    "qwen2.5-1.5b": ModelShape("qwen2.5-1.5b", 1.54e9, 28, 1536, 151936),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 7.62e9, 28, 3584, 152064),
+    "qwen2.5-vl-7b": ModelShape("qwen2.5-vl-7b", 8.29e9, 28, 3584, 152064),
+    "qwen3-8b": ModelShape("qwen3-8b", 8.19e9, 36, 4096, 151936),
+    "qwen3-vl-8b": ModelShape("qwen3-vl-8b", 8.77e9, 36, 4096, 151936),
+    "qwen3-14b": ModelShape("qwen3-14b", 14.8e9, 40, 5120, 151936),
+}
+
+
+def shape_for(model_path: str) -> ModelShape | None:
+    """The known shape whose name appears in `model_path` (longest match), else None."""
+    key = model_path.lower().replace("_", "-")
+    name = next((k for k in sorted(SHAPES, key=len, reverse=True) if k in key), None)
+    return SHAPES[name] if name else None
+
+
+def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, micro_batch_tokens: int,
+               reference: bool, act_bytes_per_token_layer: float | None = None, gpu: bool = True,
+               trainable_fraction: float = 1.0) -> dict[str, int]:
+    """Bytes one learner rank holds at its peak, by component (see the module docstring).
+    `act_bytes_per_token_layer`: one layer's recomputed activations per token, measured (S3)."""
+    p, n, w = shape.params, max(1, ranks), 2 if bf16 else 4
+    t = p * trainable_fraction
+    shard3 = n if zero_stage >= 3 else 1
+    shard1 = n if zero_stage >= 1 else 1
+    if zero_stage >= 2:  # reduce-scattered per bucket into the rank's fp32 partition
+        grads = 4 * t / n
+    elif zero_stage == 1:  # full .grad, plus fp32 accumulation (bf16) or DeepSpeed's flat fp32 partition
+        grads = w * t + (4 * t if bf16 else 4 * t / n)
+    else:
+        grads = w * t
+    master = 4 * t / shard1 if (bf16 or zero_stage >= 1) else 0
+    tokens = micro_batch_tokens
+    layer_act = act_bytes_per_token_layer if act_bytes_per_token_layer else LAYER_ACT_FACTOR * shape.hidden * w
+    out = {
+        "parameters": w * p / shard3,
+        "gradients": grads,
+        "optimizer (fp32 master + Adam moments)": master + 8 * t / shard1,
+        "reference model": w * p if reference else 0,
+        "activations (checkpointed)": tokens * shape.hidden * w * shape.layers + tokens * layer_act,
+        "logits (+ gradient, fp32 chunks)": 2 * tokens * shape.vocab * w + 2 * 2 * CHUNK_ROWS * shape.vocab * 4,
+        "runtime": GPU_RUNTIME_BYTES if gpu else CPU_RUNTIME_BYTES,
+    }
+    return {k: int(v) for k, v in out.items()}
+
+
+def describe(components: dict[str, int], budget: int) -> str:
+    """One line: the total against `budget`, then every component largest first."""
+    total = sum(components.values())
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(components.items(), key=lambda kv: -kv[1]) if v)
+    return f"{total / GiB:.1f} GiB of {budget / GiB:.1f} GiB ({parts})"
