@@ -1,7 +1,7 @@
 """Every `python -m asyncrl.bench` scenario has a working default: `--help` describes the scenario
 itself, and without `--config` a scenario runs on the quick start's config (named on its first
-line). The cheap scenarios run here with no `--config` (smoke sizes); `rollout` (two vLLM engines,
-~85 s) is the slow one."""
+line). The cheap scenarios (buffer, weight-sync, learner, simulate) run with no `--config` in
+tests/integration/test_bench_smoke.py; `rollout` (two vLLM engines, ~85 s) is the slow one here."""
 
 from __future__ import annotations
 
@@ -35,15 +35,6 @@ def test_help_describes_the_scenario(scenario: str) -> None:
     assert first and first in proc.stdout  # the scenario's own docstring, not the generic one
 
 
-@pytest.mark.parametrize("scenario", ["buffer", "simulate"])
-def test_cheap_scenarios_run_without_config(scenario: str, tmp_path: Path) -> None:
-    proc = bench(scenario, "--smoke", "--output", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[0].startswith(f"bench {scenario}: no --config, using the quick start's ")
-    (path,) = tmp_path.glob(f"{scenario}-*.json")
-    assert json.loads(path.read_text())["scenario"] == scenario
-
-
 @pytest.mark.slow
 def test_rollout_runs_without_config(tmp_path: Path) -> None:
     proc = bench("rollout", "--smoke", "--output", str(tmp_path), timeout=900)
@@ -54,7 +45,8 @@ def test_rollout_runs_without_config(tmp_path: Path) -> None:
 
 
 def test_rollout_refuses_a_config_the_model_cannot_hold(tmp_path: Path) -> None:
-    proc = bench("rollout", "data.max_prompt_length=2048", "data.max_response_length=2048", "--output",
-                 str(tmp_path), timeout=60)
+    proc = bench("rollout", "data.max_prompt_length=2048", "data.max_response_length=2048",
+                 "rollout.max_num_batched_tokens=8192", "--output", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "error: data.max_prompt_length + data.max_response_length" in proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("bench rollout: no --config, using the quick start's ")
     assert not list(tmp_path.glob("*.json"))
