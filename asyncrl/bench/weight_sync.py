@@ -8,7 +8,9 @@ the largest state dict with the most receivers (goal >= 0.7); `ratio_min` over e
 case. Cases: the quick-start policy (`model.path`, or a tiny Qwen2 when it is absent), synthetic
 100M- and 500M-parameter bf16 state dicts (smoke: 1M and 4M); plus a bucket-size sweep. Ours
 and flat run interleaved, 3 rounds (2 above 1 GiB); figures are best-of (medians also written),
-because the shared machine's load spikes otherwise dominate.
+because the shared machine's load spikes otherwise dominate. LoRA (`lora`): a rank-16 adapter on
+the same models against their full sync in the same run (bytes and seconds as ratios, the
+receiver's /dev/shm write included), and a Qwen2.5-7B rank-16 adapter's sync seconds.
 """
 
 from __future__ import annotations
@@ -155,6 +157,87 @@ def policy_state(cfg: Any) -> tuple[str, dict[str, torch.Tensor]]:
     return "policy(tiny-qwen2)", state
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QWEN25_7B = {"hidden": 3584, "intermediate": 18944, "layers": 28, "kv_dim": 512, "params": 7_615_616_512}
+"""Qwen2.5-7B's shapes (the real-size model of the GPU path; its config.json)."""
+
+
+def adapter_state(state: dict[str, torch.Tensor], rank: int = 16) -> dict[str, torch.Tensor]:
+    """A rank-`rank` LoRA adapter (PEFT's saved names and shapes: A [r, in], B [out, r]) on every
+    2-D projection of `state` named like a LoRA target."""
+    out = {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if t.dim() == 2 and parts[-1] == "weight" and parts[-2] in LORA_TARGETS:
+            base = "base_model.model." + name.removesuffix(".weight")
+            out[base + ".lora_A.weight"] = torch.randn(rank, t.shape[1]).to(t.dtype)
+            out[base + ".lora_B.weight"] = torch.randn(t.shape[0], rank).to(t.dtype)
+    return out
+
+
+def qwen25_7b_adapter(rank: int = 16, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The exact tensors of a rank-`rank` adapter on all seven projections of Qwen2.5-7B."""
+    h, i, kv = QWEN25_7B["hidden"], QWEN25_7B["intermediate"], QWEN25_7B["kv_dim"]
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    state = {}
+    for layer in range(QWEN25_7B["layers"]):
+        for mod, (out_f, in_f) in shapes.items():
+            base = f"base_model.model.model.layers.{layer}.{mod}"
+            state[base + ".lora_A.weight"] = torch.randn(rank, in_f).to(dtype)
+            state[base + ".lora_B.weight"] = torch.randn(out_f, rank).to(dtype)
+    return state
+
+
+def lora_cases(rig: Rig, sizes: list[tuple[str, dict[str, torch.Tensor]]], bucket_mb: float, repeats: int,
+               version: int, smoke: bool) -> list[dict[str, Any]]:
+    """Adapter sync vs full sync of the same model in one run, to 1 and 2 receivers: wire seconds
+    of each (same sender, same rig, interleaved), plus what the receiving engine adds for an
+    adapter: writing its PEFT directory to /dev/shm (`write_adapter_dir`, the step a learner-side
+    /dev/shm design would do instead of the wire). Also the Qwen2.5-7B rank-16 adapter's own
+    wire seconds (its full sync, 15 GB, does not fit this machine: compare with the GPU path's)."""
+    import shutil
+    import tempfile
+
+    from asyncrl.weights.adapter import fast_local_dir, write_adapter_dir
+
+    out = []
+    shm = tempfile.mkdtemp(prefix="asyncrl-bench-lora-", dir=fast_local_dir())
+    cases = [(label, state, adapter_state(state)) for label, state in (sizes[0], sizes[-1])]
+    cases.append(("qwen2.5-7b r16 (adapter only)", None, qwen25_7b_adapter() if not smoke else adapter_state(sizes[-1][1])))
+    try:
+        for receivers in (1, 2):
+            rig.use(receivers)
+            for label, full, adapter in cases:
+                version += 1
+                rig.ours(adapter, bucket_mb, version)  # warm-up (group rebuild)
+                fns = [lambda a=adapter, v=version: rig.ours(a, bucket_mb, v),
+                       lambda a=adapter: _timed(lambda: write_adapter_dir(shm, "v", a.items(), {"r": 16}))]
+                if full is not None:
+                    fns.append(lambda st=full, v=version: rig.ours(st, bucket_mb, v))
+                t = _interleaved(fns, repeats)
+                row = {"state": label, "receivers": receivers, "adapter_bytes": _nbytes(adapter),
+                       "adapter_wire_s": t[0]["best"], "adapter_write_s": t[1]["best"]}
+                if full is not None:
+                    row.update(full_bytes=_nbytes(full), full_s=t[2]["best"],
+                               bytes_ratio=_nbytes(adapter) / _nbytes(full),
+                               seconds_ratio=(t[0]["best"] + t[1]["best"]) / t[2]["best"])
+                out.append(row)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _interleaved(fns: list, repeats: int) -> list[dict[str, float]]:
     """Run the timed functions in turn, `repeats` rounds (so load spikes from other processes hit
     both sides alike); best-of and median seconds per function."""
@@ -203,6 +286,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
                         sweep.append({"state": label, "receivers": receivers, "bucket_mb": mb, "ours_s": o["best"],
                                       "flat_s": f2["best"], "ratio": f2["best"] / o["best"]})
                 del flat
+        lora = lora_cases(rig, sizes, bucket_mb, repeats, version, smoke)
     finally:
         rig.close()
     big = [c for c in cases if c["state"] == sizes[-1][0]]
@@ -211,9 +295,14 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
              f"(ratio {c['ratio']:.2f})") for c in cases]
     rows += [(f"sweep {s['state']} bucket {s['bucket_mb']:g} MB", f"{s['ours_s']:.3f} s (ratio {s['ratio']:.2f})")
              for s in sweep]
+    rows += [(f"LoRA r16 {c['state']} x{c['receivers']} adapter", f"{c['adapter_bytes'] / 2**20:.2f} MiB: "
+              f"{c['adapter_wire_s']:.4f} s wire + {c['adapter_write_s']:.4f} s /dev/shm write"
+              + (f" vs full {c['full_bytes'] / 2**20:.1f} MiB {c['full_s']:.3f} s "
+                 f"(bytes {c['bytes_ratio']:.4f}x, seconds {c['seconds_ratio']:.4f}x)" if "full_s" in c else ""))
+             for c in lora]
     print_table("weight-sync", rows)
     return {"ratio": headline["ratio"], "ratio_min": min(c["ratio"] for c in cases if c["params"] >= 10**6),
-            "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep}
+            "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep, "lora": lora}
 
 
 

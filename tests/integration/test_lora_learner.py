@@ -10,7 +10,9 @@ Proves:
   plain transformers under the base model's names and reproduces the PEFT model's log-probs;
 - a checkpoint resumes the adapter exactly: save after step 2, train step 3; a fresh learner that
   loads the checkpoint trains the same step 3 to bit-identical adapter weights, optimizer included;
-  the checkpoint's adapter/ loads with `PeftModel.from_pretrained`;
+  the checkpoint's adapter/ loads with `PeftModel.from_pretrained`, its hf/ is the merged model, and
+  `python -m asyncrl.export RUN_DIR [--merge]` writes the adapter or a merged HF model (exit 2
+  without a run);
 - an architecture vLLM cannot serve with LoRA (GPT-2) falls back to merged full weights with one
   warning, and the merged weights load into vLLM's CPU engine through the full-weight path with
   the learner's log-probs (slow tier).
@@ -145,7 +147,9 @@ def test_checkpoint_resumes_the_adapter_exactly(tmp_path):
     saved = tmp_path / "checkpoints" / "step_2"
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(saved / ckpt.ADAPTER_DIR))
     merged = AutoModelForCausalLM.from_pretrained(str(saved / "hf"))  # hf/ is the merged model
-    assert float((_logprobs(peft_model.eval()) - _logprobs(merged.eval())).abs().max()) < 1e-5
+    expected = _logprobs(peft_model.eval())
+    assert float((expected - _logprobs(merged.eval())).abs().max()) < 1e-5
+    _check_export(tmp_path, cfg, expected)
 
     resumed = _worker(cfg)
     resumed.load_checkpoint(saved)
@@ -156,6 +160,24 @@ def test_checkpoint_resumes_the_adapter_exactly(tmp_path):
     assert r3["train/lr"] == m3["train/lr"] and r3["loss/kl"] == m3["loss/kl"]
     assert [n for n, _ in again3] == [n for n, _ in after3]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again3, after3))  # bit-identical: Adam state restored
+
+
+def _check_export(run_dir: Path, cfg, expected: torch.Tensor) -> None:
+    """`python -m asyncrl.export RUN_DIR [--merge]` on the run: the adapter alone, or the merged
+    model that plain transformers loads with the PEFT model's log-probs; exit 2 without a run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.export import main
+
+    (run_dir / "config.resolved.json").write_text(cfg.to_json())
+    assert main([str(run_dir)]) == 0
+    assert sorted(p.name for p in (run_dir / "export" / "adapter").iterdir()) == \
+        ["adapter_config.json", "adapter_model.safetensors"]
+    assert main([str(run_dir), "--merge"]) == 0
+    merged_dir = run_dir / "export" / "merged"
+    assert float((_logprobs(AutoModelForCausalLM.from_pretrained(merged_dir).eval()) - expected).abs().max()) < 1e-5
+    assert AutoTokenizer.from_pretrained(merged_dir).pad_token == "<|endoftext|>"
+    assert main([str(run_dir / "nowhere"), "--merge"]) == 2
 
 
 def _tiny_gpt2(path: Path) -> str:
