@@ -29,7 +29,7 @@ from typing import Any
 
 from asyncrl.cli import add_config_args, config_from_args
 from asyncrl.config import Config
-from asyncrl.preflight import Row, check_model
+from asyncrl.preflight import Row, check_model, check_nodes
 
 
 class Probe:
@@ -203,6 +203,7 @@ class Doctor:
         shown = ", ".join(f"{k}={v}" for k, v in env.items()) or "not set (gloo/NCCL choose by hostname)"
         self.add("collective interface", not iface, "; ".join(iface) or shown,
                  "set cluster.network_interface to an interface every node has" if iface else "")
+        self.rows += check_nodes(self.cfg, self.probes)  # registered node checks (asyncrl.preflight)
         return not problems
 
     def check_buffer(self) -> None:

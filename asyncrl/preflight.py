@@ -33,7 +33,9 @@ plus `rollout.guide.sampling.max_tokens` for its reply. On vLLM's CPU build (no 
 sequence of `max_model_len` must fit `rollout.max_num_batched_tokens` and the KV cache
 (`rollout.cpu_kvcache_gb`).
 
-More checks plug in with `register_check(fn)`: `fn(cfg, models) -> list[Row]`, run in order.
+More checks plug in with `register_check(fn)`: `fn(cfg, models) -> list[Row]`, run in order before
+Ray; checks that need the live nodes (e.g. their memory) with `register_node_check(fn)`:
+`fn(cfg, probes) -> list[Row]`, run once Ray is up, before any component starts.
 """
 
 from __future__ import annotations
@@ -183,6 +185,23 @@ def register_check(check: Check) -> Check:
     and returns its rows; raising is a bug, not a ✘."""
     CHECKS.append(check)
     return check
+
+
+NodeCheck = Callable[[Config, list[dict[str, Any]]], list[Row]]
+NODE_CHECKS: list[NodeCheck] = []
+
+
+def register_node_check(check: NodeCheck) -> NodeCheck:
+    """Add a check of the live nodes, run once Ray is up (the launcher's `runtime.preflight`, any ✘
+    stops the job before a component starts; doctor's table): `check(cfg, probes) -> list[Row]`,
+    `probes` one dict per alive node from `asyncrl.cluster.probe_nodes` (ip, resources, shm_bytes...)."""
+    NODE_CHECKS.append(check)
+    return check
+
+
+def check_nodes(cfg: Config, probes: list[dict[str, Any]]) -> list[Row]:
+    """Every registered node check's rows."""
+    return [row for check in NODE_CHECKS for row in check(cfg, probes)]
 
 
 def check_model(cfg: Config) -> list[Row]:

@@ -82,20 +82,21 @@ def ray_init(cfg: Config, namespace: str) -> None:
 
 def preflight(cfg: Config) -> None:
     """Checks on the live cluster before any component starts: resources (placement feasible),
-    /dev/shm and interfaces of the nodes, listener addresses resolved and loudly reported when
+    /dev/shm and interfaces of the nodes, the registered node checks (asyncrl.preflight), listener addresses resolved and loudly reported when
     they are open beyond loopback without authentication. The model paths were resolved and the
     models checked against the config before Ray started (`check_models`)."""
     import ray
 
     from asyncrl.addresses import insecure_listeners, is_loopback, resolve_hosts
     from asyncrl.cluster import interface_problems, probe_nodes, resource_problems, shm_problems
+    from asyncrl.preflight import check_nodes, refusals
 
     where = cfg.cluster.ray_address or "embedded"
     problems = resource_problems(cfg, ray.nodes(), where)
     if problems:
         raise StartupError("the cluster cannot place this job: " + "; ".join(problems))
     probes = probe_nodes(cfg.cluster.startup_timeout_s)
-    problems = shm_problems(cfg, probes) + interface_problems(cfg, probes)
+    problems = shm_problems(cfg, probes) + interface_problems(cfg, probes) + refusals(check_nodes(cfg, probes))
     if problems:
         raise StartupError("; ".join(problems))
     resolve_hosts(cfg)

@@ -164,3 +164,23 @@ def test_an_unset_secret_and_a_missing_key_file(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ASYNCRL_TEST_NO_SUCH_SECRET", "s3cret")
     cfg = load_config(str(QUICKSTART), ["verifier.api_key=env:ASYNCRL_TEST_NO_SUCH_SECRET"])
     assert refusals(check_model(cfg)) == []
+
+
+def test_registered_checks_become_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook a launch-time memory guard plugs into: a model check before Ray, a node check after."""
+    from asyncrl import preflight
+
+    monkeypatch.setattr(preflight, "CHECKS", list(preflight.CHECKS))
+    monkeypatch.setattr(preflight, "NODE_CHECKS", [])
+
+    @preflight.register_check
+    def guard(cfg, models):  # noqa: ANN001, ANN202
+        return [preflight.Row("memory guard", False, f"{models['policy'].key} needs 99 GiB", "lower it")]
+
+    @preflight.register_node_check
+    def per_node(cfg, probes):  # noqa: ANN001, ANN202
+        return [preflight.Row("node memory", len(probes) == 1, f"{len(probes)} node(s)")]
+
+    rows = check_model(load_config(str(QUICKSTART)))
+    assert rows[-1].check == "memory guard" and refusals(rows) == ["model.path needs 99 GiB -> lower it"]
+    assert [r.ok for r in preflight.check_nodes(load_config(str(QUICKSTART)), [{"ip": "10.0.0.1"}])] == [True]
