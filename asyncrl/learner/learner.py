@@ -405,12 +405,7 @@ class LearnerWorker:
         zero3 = self.lc.zero_stage == 3
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # DeepSpeed >= 0.17.3 binds NCCL to the device at init
-        if zero3 and not getattr(self, "_export_warmed", False):
-            # the first gather after deepspeed.initialize under ZeRO-3 can return uninitialised
-            # storage (NaN logprobs in the engines); one forward first, on every rank (collective)
-            with torch.no_grad():
-                module(input_ids=torch.full((1, 1), int(self.pad_id), device=self.device), use_cache=False)
-            self._export_warmed = True
+        self._warm_zero3_export()
         persistent = set(module.state_dict().keys())
         items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         items += [(n, b) for n, b in module.named_buffers() if n in persistent]
@@ -431,6 +426,14 @@ class LearnerWorker:
                 bucket, size = [], 0
         if bucket:
             yield from self._emit_bucket(bucket, zero3)
+
+    def _warm_zero3_export(self) -> None:
+        """The first gather after deepspeed.initialize under ZeRO-3 can return uninitialised
+        storage (NaN logprobs in the engines): one forward first, on every rank (collective)."""
+        if self.lc.zero_stage == 3 and not getattr(self, "_export_warmed", False):
+            with torch.no_grad():
+                self.engine.module(input_ids=torch.full((1, 1), int(self.pad_id), device=self.device), use_cache=False)
+            self._export_warmed = True
 
     def _emit_bucket(self, bucket: list[tuple[str, torch.Tensor]], zero3: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
         if self.lora:
@@ -472,6 +475,7 @@ class LearnerWorker:
     def export_adapter_tensors(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The LoRA adapter alone, one bucket of CPU copies under PEFT's saved names (what
         `adapter_model.safetensors` holds). ZeRO-3: gathered; every rank must iterate."""
+        self._warm_zero3_export()
         params = [(n, p) for n, p in self.engine.module.named_parameters() if is_adapter_param(n)]
         with self._gathered([p for _, p in params if hasattr(p, "ds_id")] if self.lc.zero_stage == 3 else []):
             yield [(peft_saved_name(n), p.detach().to("cpu", copy=True)) for n, p in params]

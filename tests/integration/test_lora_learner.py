@@ -13,6 +13,8 @@ Proves:
   the checkpoint's adapter/ loads with `PeftModel.from_pretrained`, its hf/ is the merged model, and
   `python -m asyncrl.export RUN_DIR [--merge]` writes the adapter or a merged HF model (exit 2
   without a run);
+- under ZeRO-3 both exports gather the partitioned parameters (full-shape adapter, merged export
+  equal to the learner's forward);
 - an architecture vLLM cannot serve with LoRA (GPT-2) falls back to merged full weights with one
   warning, and the merged weights load into vLLM's CPU engine through the full-weight path with
   the learner's log-probs (slow tier).
@@ -236,3 +238,24 @@ async def _sample(engine, n: int):
 
 async def _make_engine(cls, path: str, rollout):
     return cls(path, rollout, engine_id="gpt2-eng", max_model_len=128, weight_timeout_s=30)
+
+
+def test_zero3_gathers_the_adapter_and_the_merged_export(tmp_path):
+    """ZeRO-3 (one rank): parameters are partitioned, so both exports must gather; the adapter
+    comes out at full shape and the merged export reproduces the learner's own forward."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(build_tiny_qwen2(tmp_path / "policy"))
+    worker = _worker(_cfg(tmp_path, path, "learner.zero_stage=3"))
+    worker.train_step(synthetic_groups(3, 4, worker.vocab_size, (3, 9), (4, 16), seed=0))
+    module = worker.engine.module
+    assert all(p.numel() == 0 for n, p in module.named_parameters() if ".lora_" in n)  # partitioned away
+    [adapter] = list(worker.export_adapter_tensors())
+    assert len(adapter) == 2 * 7 * 2 and all(t.numel() > 0 for _, t in adapter)
+    assert any(float(t.abs().sum()) > 0 for n, t in adapter if ".lora_B." in n)  # trained, not the zero init
+    merged = {n: t.clone() for bucket in worker.export_named_tensors(1 << 16) for n, t in bucket}
+    plain = AutoModelForCausalLM.from_pretrained(path).eval()
+    plain.load_state_dict(merged)
+    learner_lp = _logprobs(module.eval())
+    worker.close()
+    assert float((_logprobs(plain) - learner_lp).abs().max()) < 1e-5
