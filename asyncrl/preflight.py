@@ -415,3 +415,51 @@ def check_secrets(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # n
     return [Row("secrets", not problems, "; ".join(problems) or "every env: secret is set, key files exist",
                 "export the variables (or give the secret inline) and create the key files "
                 "(zmq.auth.create_certificates)" if problems else "")]
+
+
+@register_check
+def check_data_columns(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
+    """The prompt and answer columns in the first row of each local .jsonl file and the schema of
+    each local .parquet file of the data splits (hub datasets and .json arrays are checked when
+    the job loads them, asyncrl.data.sources): a wrong `data.prompt_key` is found here in a moment,
+    not after Ray and the data step started."""
+    from asyncrl.data.sources import parse_data_spec
+
+    d = cfg.data
+    problems, seen = [], []
+    for key in ("train_files", "val_files", "test_files"):
+        spec = getattr(d, key)
+        if not spec:
+            continue
+        path = Path(parse_data_spec(spec)[0]).expanduser()
+        files = [path] if path.is_file() else sorted(path.rglob("*.jsonl")) + sorted(path.rglob("*.parquet")) \
+            if path.is_dir() else []
+        for f in files[:8]:
+            columns = _first_columns(f)
+            if columns is None:
+                continue
+            seen.append(f.name)
+            for col, field_name in ((d.prompt_key, "prompt_key"), (d.answer_key, "answer_key")):
+                if col not in columns:
+                    problems.append(f"data.{key}={f}: no column {col!r} (columns: {columns}); set data.{field_name}")
+    return [Row("data columns", not problems, "; ".join(problems) or
+                f"data.prompt_key={d.prompt_key!r}, data.answer_key={d.answer_key!r} in {', '.join(seen) or 'no local file'}",
+                "" if not problems else "name the columns the files have")]
+
+
+def _first_columns(path: Path) -> list[str] | None:
+    """Column names of a local data file from its first row (.jsonl) or schema (.parquet); None
+    for other kinds or an unreadable file (the data step reports those with the row)."""
+    try:
+        if path.suffix == ".jsonl":
+            with open(path) as f:
+                line = next((ln for ln in f if ln.strip()), "")
+            row = json.loads(line) if line else None
+            return list(row) if isinstance(row, dict) else None
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(path).names)
+    except (OSError, ValueError):
+        return None
+    return None

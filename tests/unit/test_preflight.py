@@ -184,3 +184,9 @@ def test_registered_checks_become_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = check_model(load_config(str(QUICKSTART)))
     assert rows[-1].check == "memory guard" and refusals(rows) == ["model.path needs 99 GiB -> lower it"]
     assert [r.ok for r in preflight.check_nodes(load_config(str(QUICKSTART)), [{"ip": "10.0.0.1"}])] == [True]
+
+
+def test_a_wrong_prompt_column_exits_2_at_once() -> None:
+    out = assert_refused(["data.prompt_key=question"], "data.prompt_key", "no column 'question'",
+                         "assets/arith/train.jsonl", "'problem'")
+    assert out.count("error: ") == 1  # one line naming every split's file
