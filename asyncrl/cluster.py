@@ -107,10 +107,18 @@ def _hub_dir(cfg: Config, repo_id: str) -> Path:
 
 def resolve_path(cfg: Config, key: str, value: str) -> str:
     """A local path -> absolute; a hub id -> its directory under `cluster.model_dir` (downloaded
-    once here if missing). Raises ValueError naming the key when neither works."""
+    once here if missing). Raises ValueError naming the key when neither works, and for a hub id
+    on a joined cluster (`cluster.ray_address`, possibly several nodes: this check runs before
+    Ray starts) without `cluster.model_dir`: the default cache is on this node's disk only."""
     local = Path(value).expanduser()
     if local.exists():
         return str(local.resolve())
+    if cfg.cluster.ray_address and not cfg.cluster.model_dir:
+        raise ValueError(f"{key}={value!r} is a hub id and the job joins the cluster at {cfg.cluster.ray_address}, "
+                         f"but cluster.model_dir is unset: it would be downloaded to {_hub_dir(cfg, value)} on "
+                         "this node only, which the other nodes' engines and learner ranks cannot read; set "
+                         "cluster.model_dir to a directory every node reads (on a one-node cluster the default, "
+                         "~/.cache/asyncrl/models, is fine: set it explicitly)")
     dest = _hub_dir(cfg, value)
     if (dest / "config.json").exists() or (dest / "tokenizer_config.json").exists():
         return str(dest)

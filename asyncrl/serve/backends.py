@@ -52,6 +52,16 @@ class RuleVerifier(VerifierReplica):
         return Generation(text, "stop", prompt_words, len(text.split()))
 
 
+
+def verifier_engine_args(c: Any, tokenizer_path: str, on_gpu: bool) -> Any:
+    """vLLM engine arguments of a verifier replica: tensor parallel over all of the replica's
+    `gpus_per_replica` GPUs (Serve gives the replica that many), CUDA graphs on GPU."""
+    from vllm import AsyncEngineArgs
+
+    return AsyncEngineArgs(model=c.model_path, tokenizer=tokenizer_path, dtype=c.engine_dtype,
+                           max_model_len=c.max_model_len, enforce_eager=not on_gpu, seed=0,
+                           tensor_parallel_size=max(1, int(c.gpus_per_replica)) if on_gpu else 1)
+
 class VLLMVerifier(VerifierReplica):
     backend = "vllm"
 
@@ -65,7 +75,6 @@ class VLLMVerifier(VerifierReplica):
     def _build_engine(self) -> None:
         import torch
         from transformers import AutoTokenizer
-        from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         c = self.cfg
@@ -76,8 +85,7 @@ class VLLMVerifier(VerifierReplica):
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
-        args = AsyncEngineArgs(model=c.model_path, tokenizer=tok_path, dtype=c.engine_dtype, max_model_len=c.max_model_len,
-                               enforce_eager=not on_gpu, seed=0)
+        args = verifier_engine_args(c, tok_path, on_gpu)
         from asyncrl.config import engine_env
 
         os.environ.update(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
