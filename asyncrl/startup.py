@@ -122,7 +122,7 @@ def start_failure(what: str, exc: BaseException) -> str:
     embedded = _EMBEDDED.findall(str(exc))
     if embedded:
         return embedded[-1].strip()
-    host = getattr(exc, "ip", None) or "this host"
+    host = getattr(exc, "ip", None) or node_host()  # no Ray envelope: it failed in the driver
     if isinstance(cause, BaseException) and "isn't serializable" not in str(cause):
         exc = cause
     elif cause is not None:  # Ray could not pickle the cause: its traceback's last line
@@ -131,8 +131,7 @@ def start_failure(what: str, exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     if getattr(exc, "actor_init_failed", False) and lines:  # the creation task's traceback: its last line
         return f"{what} on {host} failed to start: {lines[-1][:400]}"
-    text = f"{type(exc).__name__}: {lines[0][:400]}" if lines else type(exc).__name__
-    return f"{what} on {host} failed to start: {text}"
+    return f"{what} on {host} failed to start: {one_line(exc)}"
 
 
 class StopFlag:
