@@ -463,3 +463,40 @@ def _first_columns(path: Path) -> list[str] | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+@register_check
+def check_ports_and_resume(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
+    """Fixed listener ports: two listeners on one port, or (embedded cluster: every listener on
+    this host) a port something already listens on, fail here rather than at the listener's
+    start a minute later; `trainer.resume` naming a checkpoint that does not exist."""
+    import socket
+
+    from asyncrl.addresses import bind_and_advertise, resolve_host
+
+    fixed = {key: (host, port) for key, host, port in (
+        ("buffer.port", cfg.buffer.host, cfg.buffer.port), ("learner.weights.port", cfg.learner.weights.host,
+                                                             cfg.learner.weights.port),
+        ("verifier.port", cfg.verifier.host, cfg.verifier.port)) if port}
+    problems = []
+    by_port: dict[int, list[str]] = {}
+    for key, (_, port) in fixed.items():
+        by_port.setdefault(port, []).append(key)
+    problems += [f"{' and '.join(keys)} are all {port}" for port, keys in by_port.items() if len(keys) > 1]
+    for key, (host, port) in fixed.items() if not cfg.cluster.ray_address else ():
+        bind = bind_and_advertise(resolve_host(host, False))[0]
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict, a listener is
+            try:
+                s.bind((bind, port))
+            except OSError as exc:
+                problems.append(f"{key}={port}: {bind}:{port} is taken ({exc.strerror})")
+    rows = [Row("listener ports", not problems, "; ".join(problems) or (
+        f"fixed ports free: {', '.join(f'{k}={p}' for k, (_, p) in fixed.items())}" if fixed else
+        "every listener picks a free port"), "choose another port, 0 (any free one) or cluster.port_range"
+        if problems else "")]
+    resume = cfg.trainer.resume
+    missing = resume not in ("auto", "never") and not Path(resume).expanduser().exists()
+    rows.append(Row("resume", not missing, f"trainer.resume={resume}" + (": no such checkpoint" if missing else ""),
+                    "point trainer.resume at a checkpoint directory, or auto / never" if missing else ""))
+    return rows

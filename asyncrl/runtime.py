@@ -128,6 +128,12 @@ def run(cfg: Config) -> int:
     Exit 2 when the model cannot hold the config (nothing started), else the job's status."""
     if not check_models(cfg):
         return 2
+    if cfg.cluster.ray_address:  # a refused connection: now, not after importing Ray
+        try:
+            check_reachable(cfg.cluster.ray_address)
+        except StartupError as exc:
+            echo(f"error: {exc}", err=True)
+            return 1
     run_dir = prepare_run_dir(cfg)
     with quiet_console(run_dir) as logs_dir:
         if logs_dir is not None:

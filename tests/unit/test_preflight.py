@@ -190,3 +190,18 @@ def test_a_wrong_prompt_column_exits_2_at_once() -> None:
     out = assert_refused(["data.prompt_key=question"], "data.prompt_key", "no column 'question'",
                          "assets/arith/train.jsonl", "'problem'")
     assert out.count("error: ") == 1  # one line naming every split's file
+
+
+def test_a_taken_port_two_listeners_on_one_port_and_a_missing_checkpoint() -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = load_config(str(QUICKSTART), [f"buffer.port={port}", "learner.weights.port=29901", "verifier.port=29901",
+                                            "trainer.resume=/nonexistent/checkpoint"])
+        ports, resume = refusals(check_model(cfg))
+    assert f"buffer.port={port}: 127.0.0.1:{port} is taken" in ports
+    assert "learner.weights.port and verifier.port are all 29901" in ports
+    assert resume.startswith("trainer.resume=/nonexistent/checkpoint: no such checkpoint")
