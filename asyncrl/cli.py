@@ -33,30 +33,37 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
-def recipe_source(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """(Guided-GRPO recipe path or None, the remaining overrides): `config=X.yaml` among the
-    overrides, `--config-format guided_grpo`, or a `--config` YAML in the original's shape."""
+def recipe_source(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
+    """(Guided-GRPO recipe path, asyncrl config path, the remaining overrides); one path at most is
+    set. A recipe is `config=X.yaml` among the overrides (unless X is plainly an asyncrl config),
+    `--config-format guided_grpo`, or a `--config` YAML in the original's shape."""
     from asyncrl.config.loading import is_guided_grpo_file
+    from asyncrl.config.tree import read_yaml
 
     named = [o for o in args.overrides if o.startswith("config=")]
     rest = [o for o in args.overrides if not o.startswith("config=")]
     if len(named) > 1 or (named and args.config):
         raise ConfigError("give the recipe once: either config=X.yaml (Guided-GRPO's form) or --config X.yaml")
-    if named:
-        path = named[0].split("=", 1)[1]
-        if not path:
-            raise ConfigError("config= names no file")
-        return path, rest
-    if args.config and (args.config_format == "guided_grpo" or is_guided_grpo_file(args.config)):
-        return args.config, rest
-    if args.config_format == "guided_grpo":
-        raise ConfigError("--config-format guided_grpo needs --config (or config=X.yaml)")
-    return None, rest
+    path = named[0].split("=", 1)[1] if named else args.config
+    if named and not path:
+        raise ConfigError("config= names no file")
+    if path is None:
+        if args.config_format == "guided_grpo":
+            raise ConfigError("--config-format guided_grpo needs --config (or config=X.yaml)")
+        return None, None, rest
+    if args.config_format == "guided_grpo" or is_guided_grpo_file(path):
+        return path, None, rest
+    if named and not set(read_yaml(path)) & _ASYNCRL_ONLY_SECTIONS:
+        return path, None, rest  # the original's form: its converter names what is wrong
+    return None, path, rest
+
+
+_ASYNCRL_ONLY_SECTIONS = {"model", "rollout", "verifier", "buffer", "learner", "reward", "cluster"}
 
 
 def config_from_args(args: argparse.Namespace, require_files: bool = True) -> Config:
     try:
-        recipe, overrides = recipe_source(args)
+        recipe, native_config, overrides = recipe_source(args)
         if recipe is not None:
             from asyncrl.config import load_guided_grpo
             from asyncrl.config.loading import split_recipe_overrides
@@ -65,7 +72,7 @@ def config_from_args(args: argparse.Namespace, require_files: bool = True) -> Co
             native = {item.split("=", 1)[0].strip() for item in split_recipe_overrides(overrides)[1]}
             print(conversion_summary(recipe, cfg, conv, native), file=sys.stderr)
         else:
-            cfg = load_config(args.config, overrides)
+            cfg = load_config(native_config, overrides)
     except ConfigError as exc:
         fail(str(exc))
     if require_files:
@@ -95,6 +102,8 @@ def conversion_summary(recipe: str, cfg: Config, conv: object, native: set[str] 
         lines.append(f"before/after evaluation: on {cfg.data.test_files} (data.test_files)")
     else:
         lines.append("before/after evaluation: skipped (no data.test_files)")
+    lines.append(f"asynchrony: buffer.max_staleness={cfg.buffer.max_staleness}, learner.off_policy.mode="
+                 f"{cfg.learner.off_policy.mode} (the original is synchronous: buffer.max_staleness=0 reproduces it)")
     lines.append(role_table(cfg, conv.recipe_gpus or None))
     message = conv.message()
     return "\n".join(lines + ([message] if message else []))

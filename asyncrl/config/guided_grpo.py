@@ -220,6 +220,9 @@ ORIGINAL_DEFAULTS: dict[str, Any] = {
 }
 """The original's dataclass defaults where they differ from asyncrl's or feed a derivation."""
 
+_VISION_DEFAULTS = {"data.min_pixels": 262144, "data.max_pixels": 4194304}
+"""Image-size bounds every shipped recipe carries, text ones included, at the values both systems
+default to: left unset, so a text recipe does not count as one that sets vision keys."""
 _KL_PENALTY = {"kl": "k1", "abs": "abs", "mse": "k2", "low_var_kl": "k3"}
 _LOGGERS = {"console": "console", "file": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}
 _ESTIMATORS = ("grpo", "grpo_passk", "reinforce_plus_plus", "remax", "rloo")
@@ -323,7 +326,7 @@ def convert_guided_grpo(tree: dict[str, Any], fixed: frozenset[str] = frozenset(
         if fate.kind in ("ignored", "changed", "unsupported") and value is not None and _matters(entry, o):
             conv.warn(fate.kind, entry, fate.target)
     for key, target in GUIDED_GRPO_KEY_MAP.items():
-        if o.get(key) is not None:
+        if o.get(key) is not None and _VISION_DEFAULTS.get(key, object()) != o[key]:
             conv.set(target, _convert_value(key, o[key]))
         elif key in ("data.train_files", "data.val_files"):
             conv.set(target, "")  # the original's TODO placeholders: no data, never asyncrl's quick start
@@ -517,6 +520,8 @@ def _derive_roles(o: dict[str, Any], conv: Conversion, fixed: frozenset[str]) ->
     rule = f"role split of {nnodes} x {per_node} GPUs (docs/guided_grpo.md#role-split)"
     for key, value in split.asyncrl_keys.items():
         conv.set(key, value, rule)
+    conv.set("cluster.startup_timeout_s", 1800.0, "a GPU recipe's cold start (hub downloads, CUDA graphs) may take "
+             "long; as asyncrl's GPU configs")
     # Keep an engine fed as the original's batched generation does: 256 sequences at once.
     conv.set("rollout.max_num_seqs", 256, "vLLM's GPU default: an engine batches up to 256 sequences")
     groups = max(2, math.ceil(256 / max(1, int(o["worker.rollout.n"]))))

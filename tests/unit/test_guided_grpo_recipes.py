@@ -268,6 +268,18 @@ def test_the_three_entry_forms_share_one_converter() -> None:
     assert a == b == c and a["rollout"]["n"] == 4
 
 
+def test_loggers_the_original_has_and_asyncrl_lacks_are_named() -> None:
+    cfg, conv = load_guided_grpo(RECIPES / "examples/config.yaml", ["trainer.logger=[console,file,swanlab,mlflow]"])
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert conv.notes["unsupported"]["trainer.logger"].startswith("swanlab, mlflow not available (dropped); "
+                                                                   "the sinks are console, file (jsonl)")
+
+
+def test_config_equals_an_asyncrl_yaml_loads_it_as_asyncrl() -> None:
+    quick, _ = resolved(["config=" + str(ROOT / "configs/quickstart.yaml"), "rollout.n=4"])
+    assert quick["rollout"]["n"] == 4 and quick["data"]["test_files"] == "assets/arith/test.jsonl"
+
+
 def test_roles_set_with_asyncrl_keys_skip_the_split() -> None:
     cfg, err = resolved(["config=examples/config.yaml", "trainer.n_gpus_per_node=2",
                          "learner.num_gpus=0", "rollout.num_actors=1", "rollout.gpus_per_actor=0"])
