@@ -500,3 +500,58 @@ def check_ports_and_resume(cfg: Config, models: dict[str, ModelFiles]) -> list[R
     rows.append(Row("resume", not missing, f"trainer.resume={resume}" + (": no such checkpoint" if missing else ""),
                     "point trainer.resume at a checkpoint directory, or auto / never" if missing else ""))
     return rows
+
+
+@register_check
+def memory_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """A CPU job on this machine (the embedded cluster) fits its memory: learner ranks, rollout
+    engines and the WeightStore's copy, estimated by `asyncrl.learner.memory` against 90% of the
+    machine (Ray's memory monitor kills workers at 95%). A GPU job's per-GPU fit is estimated by
+    scripts/gpu_check.py (S3); a joined cluster's nodes are not this machine."""
+    if cfg.cluster.ray_address or cfg.learner.num_gpus > 0 or cfg.rollout.gpus_per_actor > 0:
+        return []
+    import psutil
+
+    return memory_rows(cfg, models["policy"], psutil.virtual_memory().total)
+
+
+def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row]:
+    from asyncrl.learner import memory as mem
+
+    shape = mem.shape_from_config(policy.text, cfg.model.path)
+    samples = cfg.data.rollout_batch_size * cfg.rollout.n
+    tokens = min(cfg.learner.micro_batch_tokens, samples * (cfg.data.max_prompt_length + cfg.data.max_response_length))
+    rank = mem.rank_bytes(shape, ranks=cfg.learner_world_size, zero_stage=cfg.learner.zero_stage,
+                          bf16=cfg.learner_precision == "bf16", micro_batch_tokens=tokens,
+                          logit_tokens=min(tokens, samples * (cfg.data.max_response_length + 1)),
+                          reference=cfg.learner.kl.enable and not cfg.model.lora.enable, gpu=False,
+                          trainable_fraction=0.02 if cfg.model.lora.enable else 1.0)
+    engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB))
+    parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
+             f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,
+             "weight store copy": int(4 * shape.params), "driver and services": mem.CPU_RUNTIME_BYTES}
+    budget = int(0.9 * machine_bytes)
+    total = sum(parts.values())
+    detail = (f"{mem.describe(parts, budget)}; one learner rank: "
+              f"{mem.describe(rank, budget).split('(', 1)[1].rstrip(')')}")
+    if total <= budget:
+        return [Row("memory", True, f"{shape.params / 1e9:.2f}B parameters: {detail}")]
+    return [Row("memory", False, f"{shape.params / 1e9:.2f}B parameters do not fit this machine: {detail}",
+                "a smaller model, learner.zero_stage=0 (no DeepSpeed fp32 partition copies), learner.kl.enable="
+                "false (no reference replica), fewer rollout.num_actors, or a machine with more memory")]
+
+
+
+@register_check
+def check_rule_verifier(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
+    """The rule back-end's task, built here as its replica builds it (asyncrl.tasks)."""
+    if cfg.verifier.backend != "rule" or not cfg.rollout.guide.enable:
+        return []
+    from asyncrl.tasks import get_rule_verifier
+
+    try:
+        get_rule_verifier(cfg.verifier.task)
+    except ValueError as exc:
+        return [Row("rule verifier", False, f"verifier.task={cfg.verifier.task}: {exc}",
+                    "set verifier.task to a built-in task, or verifier.backend=vllm / http")]
+    return [Row("rule verifier", True, f"verifier.task={cfg.verifier.task}")]

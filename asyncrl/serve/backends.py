@@ -34,11 +34,14 @@ class RuleVerifier(VerifierReplica):
     backend = "rule"
 
     def __init__(self, cfg: dict[str, Any], rule_fn: Callable[[list[dict]], str] | None = None):
+        from asyncrl.startup import starting
+
         super().__init__(cfg)
         if rule_fn is None:
             from asyncrl.tasks import get_rule_verifier
 
-            rule_fn = get_rule_verifier(self.cfg.task)
+            with starting(f"verifier replica ({self.backend}, {self.version})"):
+                rule_fn = get_rule_verifier(self.cfg.task)
         self._rule = rule_fn
 
     async def _generate(self, req: ChatRequest) -> Generation:

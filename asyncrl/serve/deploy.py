@@ -116,8 +116,11 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
     if isinstance(cfg, Config) and cfg.cluster.resources.get("verifier"):
         _RESOURCES[name] = cfg.cluster.resources["verifier"]
     vcfg = start_serve(resolve_port(_verifier_cfg(cfg), port_range))
-    handle = serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
-                       route_prefix=route_prefix, logging_config=serve_logging_config())
+    try:
+        handle = serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
+                           route_prefix=route_prefix, logging_config=serve_logging_config())
+    except RuntimeError as exc:  # Serve's sentence; the replica's own error (asyncrl.startup) is in its status
+        raise RuntimeError(f"{exc}\n{_deployment_status(name)}") from exc
     _DEPLOYED[name] = (vcfg, rule_fn)
     logger.info("verifier %s (%s) serving at %s", vcfg.version, vcfg.backend, verifier_url(name))
     return handle
@@ -170,6 +173,19 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
     _DEPLOYED[name] = (vcfg, rule_fn)
     return SwapReport(True, old_cfg.version if old_cfg else None, vcfg.version, serving_info(name)["version"],
                       time.perf_counter() - t0)
+
+
+def _deployment_status(name: str) -> str:
+    """Serve's status message of the `Verifier` deployment (with the replica's traceback), or ""."""
+    from ray import serve
+
+    from asyncrl.serve.app import DEPLOYMENT_NAME
+
+    try:
+        return serve.status().applications[name].deployments[DEPLOYMENT_NAME].message or ""
+    except Exception as exc:  # the caller still has Serve's own error
+        logger.warning("could not read the deployment status of %s: %s", name, exc)
+        return ""
 
 
 def _deployment_message(name: str) -> str:
