@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         print(cfg.to_json())
         return 0
+    if cfg.trainer.eval_before_after and not cfg.data.test_files:
+        print("note: no before/after evaluation (data.test_files is empty; name a test split, or data.val_files's "
+              "spec to evaluate on the validation rows)", file=sys.stderr)
     if cfg.trainer.max_steps is None:
         from asyncrl.data import derive_max_steps  # loads the rows (datasets, the tokenizer)
 

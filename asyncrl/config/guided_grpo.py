@@ -173,8 +173,8 @@ KEY_FATES: dict[str, Fate] = {key: _m(target) for key, target in GUIDED_GRPO_KEY
         "batches (rows // rollout_batch_size per epoch)"),
     "trainer.max_try_make_batch": Fate(
         "changed", "filling a batch is bounded by time here: learner.batch_timeout_s (the run stops with a message)"),
-    "worker.rollout.ignore_eos": Fate("unsupported", "every policy turn ends at its end-of-turn token; remove the key"),
     # unsupported
+    "worker.rollout.ignore_eos": Fate("unsupported", "every policy turn ends at its end-of-turn token; remove the key"),
     "data.video_fps": Fate("unsupported", "videos are carried along, never decoded into frames; remove the key"),
     "worker.rollout.prompt_truncation": Fate(
         "unsupported", "a sampled prompt is never cut: data.max_prompt_length is enforced before each policy turn "
@@ -224,7 +224,8 @@ _VISION_DEFAULTS = {"data.min_pixels": 262144, "data.max_pixels": 4194304}
 """Image-size bounds every shipped recipe carries, text ones included, at the values both systems
 default to: left unset, so a text recipe does not count as one that sets vision keys."""
 _KL_PENALTY = {"kl": "k1", "abs": "abs", "mse": "k2", "low_var_kl": "k3"}
-_LOGGERS = {"console": "console", "file": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}
+_LOGGERS = {"console": "console", "file": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb", "jsonl": "jsonl"}
+"""The original's sink names (and asyncrl's `jsonl`, so `trainer.logger=[jsonl]` after a recipe works)."""
 _ESTIMATORS = ("grpo", "grpo_passk", "reinforce_plus_plus", "remax", "rloo")
 
 

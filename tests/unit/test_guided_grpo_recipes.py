@@ -275,6 +275,20 @@ def test_loggers_the_original_has_and_asyncrl_lacks_are_named() -> None:
                                                                    "the sinks are console, file (jsonl)")
 
 
+def test_asyncrl_sink_name_after_a_recipe_is_kept() -> None:
+    cfg, conv = load_guided_grpo(RECIPES / "examples/config.yaml", ["trainer.logger=[jsonl]"])
+    assert cfg.trainer.logger == ["jsonl"] and "trainer.logger" not in conv.notes["unsupported"]
+
+
+def test_migrate_refuses_what_the_launch_refuses(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.migrate", "examples/config.yaml",
+                           "worker.actor.global_batch_size=100", "-o", str(tmp_path / "job.yaml")],
+                          cwd=RECIPES, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "worker.actor.global_batch_size=100" in proc.stderr
+    assert not (tmp_path / "job.yaml").exists()
+
+
 def test_config_equals_an_asyncrl_yaml_loads_it_as_asyncrl() -> None:
     quick, _ = resolved(["config=" + str(ROOT / "configs/quickstart.yaml"), "rollout.n=4"])
     assert quick["rollout"]["n"] == 4 and quick["data"]["test_files"] == "assets/arith/test.jsonl"
