@@ -68,9 +68,11 @@ def shape_for(model_path: str) -> ModelShape | None:
 
 def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, micro_batch_tokens: int,
                reference: bool, act_bytes_per_token_layer: float | None = None, gpu: bool = True,
-               trainable_fraction: float = 1.0) -> dict[str, int]:
+               trainable_fraction: float = 1.0, logit_tokens: int | None = None) -> dict[str, int]:
     """Bytes one learner rank holds at its peak, by component (see the module docstring).
-    `act_bytes_per_token_layer`: one layer's recomputed activations per token, measured (S3)."""
+    `act_bytes_per_token_layer`: one layer's recomputed activations per token, measured (S3);
+    `logit_tokens`: response tokens of a micro-batch (the learner keeps logits for those only;
+    default `micro_batch_tokens`, an upper bound)."""
     p, n, w = shape.params, max(1, ranks), 2 if bf16 else 4
     t = p * trainable_fraction
     shard3 = n if zero_stage >= 3 else 1
@@ -90,7 +92,8 @@ def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, mi
         "optimizer (fp32 master + Adam moments)": master + 8 * t / shard1,
         "reference model": w * p if reference else 0,
         "activations (checkpointed)": tokens * shape.hidden * w * shape.layers + tokens * layer_act,
-        "logits (+ gradient, fp32 chunks)": 2 * tokens * shape.vocab * w + 2 * 2 * CHUNK_ROWS * shape.vocab * 4,
+        "logits (+ gradient, fp32 chunks)": 2 * (tokens if logit_tokens is None else logit_tokens) * shape.vocab * w
+        + 2 * 2 * min(CHUNK_ROWS, tokens if logit_tokens is None else logit_tokens) * shape.vocab * 4,
         "runtime": GPU_RUNTIME_BYTES if gpu else CPU_RUNTIME_BYTES,
     }
     return {k: int(v) for k, v in out.items()}
@@ -101,3 +104,23 @@ def describe(components: dict[str, int], budget: int) -> str:
     total = sum(components.values())
     parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(components.items(), key=lambda kv: -kv[1]) if v)
     return f"{total / GiB:.1f} GiB of {budget / GiB:.1f} GiB ({parts})"
+
+
+def shape_from_config(config: dict, name: str = "model") -> ModelShape:
+    """A decoder's shape from its config.json (the text part of a vision-language one): parameters
+    counted from the dimensions (embeddings, the untied head, attention with grouped KV heads, the
+    gated MLP; norms and biases are < 0.1% and left out)."""
+    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads = int(config.get("num_attention_heads", 1))
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    inter = int(config.get("intermediate_size", 4 * h))
+    vocab = int(config["vocab_size"])
+    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * (attention + 3 * h * inter)
+    return ModelShape(name, float(params), layers, h, vocab)
+
+
+def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int) -> dict[str, int]:
+    """Host memory of one vLLM CPU engine: fp32 weights, its KV cache, the runtime."""
+    return {"weights (fp32)": int(4 * shape.params), "KV cache": int(kv_cache_bytes), "runtime": CPU_RUNTIME_BYTES}
