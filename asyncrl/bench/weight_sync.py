@@ -10,13 +10,15 @@ case. Cases: the quick-start policy (`model.path`, or a tiny Qwen2 when it is ab
 and flat run interleaved, 3 rounds (2 above 1 GiB); figures are best-of (medians also written),
 because the shared machine's load spikes otherwise dominate. LoRA (`lora`): a rank-16 adapter on
 the same models against their full sync in the same run (bytes and seconds as ratios, the
-receiver's /dev/shm write included), and a Qwen2.5-7B rank-16 adapter's sync seconds.
+receiver's /dev/shm write included), and a Qwen2.5-7B rank-16 adapter's sync seconds;
+`ASYNCRL_BENCH_WEIGHT_SYNC=lora` runs that comparison alone.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -204,7 +206,8 @@ def lora_cases(rig: Rig, sizes: list[tuple[str, dict[str, torch.Tensor]]], bucke
     out = []
     shm = tempfile.mkdtemp(prefix="asyncrl-bench-lora-", dir=fast_local_dir())
     cases = [(label, state, adapter_state(state)) for label, state in (sizes[0], sizes[-1])]
-    cases.append(("qwen2.5-7b r16 (adapter only)", None, qwen25_7b_adapter() if not smoke else adapter_state(sizes[-1][1])))
+    if not smoke:  # 80 MB of bf16 adapter
+        cases.append(("qwen2.5-7b r16 (adapter only)", None, qwen25_7b_adapter()))
     try:
         for receivers in (1, 2):
             rig.use(receivers)
@@ -258,6 +261,8 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         if smoke else [(name, policy), ("100M", synthetic_state(10**8)), ("500M", synthetic_state(5 * 10**8))]
     sweep_mb = [0.25, 1.0, 4.0] if smoke else [4.0, 16.0, 64.0, 256.0]
     repeats = 1 if smoke else 3
+    if os.environ.get("ASYNCRL_BENCH_WEIGHT_SYNC") == "lora":  # the LoRA comparison alone
+        return _lora_only(sizes, bucket_mb, repeats, smoke)
     cases, sweep, version = [], [], 0
     rig = Rig(2, bucket_mb)
     try:
@@ -295,14 +300,30 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
              f"(ratio {c['ratio']:.2f})") for c in cases]
     rows += [(f"sweep {s['state']} bucket {s['bucket_mb']:g} MB", f"{s['ours_s']:.3f} s (ratio {s['ratio']:.2f})")
              for s in sweep]
-    rows += [(f"LoRA r16 {c['state']} x{c['receivers']} adapter", f"{c['adapter_bytes'] / 2**20:.2f} MiB: "
+    rows += _lora_rows(lora)
+    print_table("weight-sync", rows)
+    return {"ratio": headline["ratio"], "ratio_min": min(c["ratio"] for c in cases if c["params"] >= 10**6),
+            "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep, "lora": lora}
+
+
+def _lora_only(sizes: list[tuple[str, dict[str, torch.Tensor]]], bucket_mb: float, repeats: int,
+               smoke: bool) -> dict[str, Any]:
+    rig = Rig(2, bucket_mb)
+    try:
+        lora = lora_cases(rig, sizes, bucket_mb, repeats, 0, smoke)
+    finally:
+        rig.close()
+    print_table("weight-sync (LoRA)", _lora_rows(lora))
+    full = [c for c in lora if "seconds_ratio" in c]
+    return {"lora_seconds_ratio": max(c["seconds_ratio"] for c in full), "smoke": smoke, "lora": lora}
+
+
+def _lora_rows(lora: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(f"LoRA r16 {c['state']} x{c['receivers']} adapter", f"{c['adapter_bytes'] / 2**20:.2f} MiB: "
               f"{c['adapter_wire_s']:.4f} s wire + {c['adapter_write_s']:.4f} s /dev/shm write"
               + (f" vs full {c['full_bytes'] / 2**20:.1f} MiB {c['full_s']:.3f} s "
                  f"(bytes {c['bytes_ratio']:.4f}x, seconds {c['seconds_ratio']:.4f}x)" if "full_s" in c else ""))
              for c in lora]
-    print_table("weight-sync", rows)
-    return {"ratio": headline["ratio"], "ratio_min": min(c["ratio"] for c in cases if c["params"] >= 10**6),
-            "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep, "lora": lora}
 
 
 
