@@ -22,6 +22,14 @@ N = ranks, w = 2 bytes in bf16, 4 in fp32; "/N" where the ZeRO stage partitions 
   plus two fp32 chunks of the chunked log-softmax (2 * 2 * chunk_rows * vocab * 4);
 - runtime: the CUDA context, NCCL and allocator slack on a GPU (`GPU_RUNTIME_BYTES`), the
   interpreter and libraries on a CPU (`CPU_RUNTIME_BYTES`).
+
+Checked on a CPU (one fp32 rank, a 56.4M-parameter Qwen2 from scripts/make_scale_policy.py, peak
+resident memory during two train_steps minus the process after its imports): ZeRO-0 1509 MB and
+ZeRO-1 2018 MB against 1032 and 1483 MB estimated without the runtime term, i.e. the same ~0.5 GB
+of DeepSpeed/gloo/allocator overhead in both and the ZeRO-1 difference (DeepSpeed's two fp32
+partitions, 8*P = 451 MB) measured as 509 MB; the KL reference added exactly 4*P (226 MB). A
+one-rank ZeRO-3 held 2832 MB, ~1.35 GB more than estimated: its flat buffers are not modelled
+beyond the live gathered parameters, so ZeRO-3 estimates are optimistic until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -87,7 +95,9 @@ def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, mi
     tokens = micro_batch_tokens
     layer_act = act_bytes_per_token_layer if act_bytes_per_token_layer else LAYER_ACT_FACTOR * shape.hidden * w
     out = {
-        "parameters": w * p / shard3,
+        # stage 3: the rank's partition, plus gathered parameters that stay live (up to
+        # stage3_max_live_parameters = 1e9 elements, asyncrl.learner.build)
+        "parameters": w * p / shard3 + (w * min(p, 1e9) if zero_stage >= 3 and n > 1 else 0),
         "gradients": grads,
         "optimizer (fp32 master + Adam moments)": master + 8 * t / shard1,
         "reference model": w * p if reference else 0,
