@@ -477,7 +477,7 @@ def check_ports_and_resume(cfg: Config, models: dict[str, ModelFiles]) -> list[R
     fixed = {key: (host, port) for key, host, port in (
         ("buffer.port", cfg.buffer.host, cfg.buffer.port), ("learner.weights.port", cfg.learner.weights.host,
                                                              cfg.learner.weights.port),
-        ("verifier.port", cfg.verifier.host, cfg.verifier.port)) if port}
+        ("verifier.port", cfg.verifier.host, cfg.verifier.port if cfg.rollout.guide.enable else 0)) if port}
     problems = []
     by_port: dict[int, list[str]] = {}
     for key, (_, port) in fixed.items():
@@ -555,3 +555,43 @@ def check_rule_verifier(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]
         return [Row("rule verifier", False, f"verifier.task={cfg.verifier.task}: {exc}",
                     "set verifier.task to a built-in task, or verifier.backend=vllm / http")]
     return [Row("rule verifier", True, f"verifier.task={cfg.verifier.task}")]
+
+
+@register_check
+def check_weight_files(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
+    """Every model directory has its weights, whole: the shards its index names exist, and each
+    .safetensors file holds what its header says (8-byte length + JSON header + the tensors' byte
+    range), so a truncated download fails here, not in the learner and every engine minutes later."""
+    problems, counted = [], []
+    for model in models.values():
+        files = sorted(model.path.glob("*.safetensors"))
+        index = model.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                shards = set(json.loads(index.read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError) as exc:
+                problems.append(f"{model.key}={model.path}: unreadable {index.name} ({type(exc).__name__})")
+                continue
+            problems += [f"{model.key}={model.path}: shard {s} named by {index.name} is missing"
+                         for s in sorted(shards) if not (model.path / s).is_file()]
+        if not files and not any(model.path.glob("*.bin")) and not any(model.path.glob("*.pt")):
+            problems.append(f"{model.key}={model.path}: no weight files (*.safetensors, *.bin)")
+        problems += [f"{model.key}={model.path}: {f.name} {err}" for f in files if (err := _safetensors_problem(f))]
+        counted.append(f"{model.key}: {len(files)} safetensors file(s)")
+    return [Row("weight files", not problems, "; ".join(problems) or ", ".join(counted),
+                "download the model again (an interrupted download leaves truncated files)" if problems else "")]
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file is not whole, or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                return f"is truncated or not safetensors (header of {n} bytes, file of {size})"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        return f"has an unreadable header ({type(exc).__name__})"
+    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    return None if 8 + n + end <= size else f"is truncated: {size} bytes, its header needs {8 + n + end}"

@@ -209,3 +209,14 @@ def test_a_taken_port_two_listeners_on_one_port_and_a_missing_checkpoint() -> No
 
 def test_an_unknown_rule_task_exits_2_at_once() -> None:
     assert_refused(["verifier.task=nosuch"], "verifier.task=nosuch", "known tasks: arith")
+
+
+def test_a_truncated_weight_file(tmp_path: Path) -> None:
+    model = tmp_path / "policy"
+    shutil.copytree(TINY, model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size - 100)  # an interrupted download: the header promises 100 bytes more
+    out = assert_refused([f"model.path={model}"], "model.safetensors is truncated", f"{size - 100} bytes",
+                         f"needs {size}")
+    assert out.count("error: ") == 1
