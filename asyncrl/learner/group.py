@@ -77,10 +77,12 @@ class LearnerActor:
             torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
             _raise_priority()
         from asyncrl.learner.learner import LearnerWorker
+        from asyncrl.startup import starting
 
         if self.worker is not None:
             self.worker.close()
-        self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
+        with starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
+            self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
         state = cfg.run_path / "state"
         if state.is_dir():  # which process is which rank (fault drills)
             (state / f"learner_rank_{rank}.pid").write_text(str(os.getpid()))
