@@ -28,7 +28,9 @@ package or device SKIPS the stages that need it, never fails them):
   S6 NCCL failure semantics under torch, in subprocesses: a one-rank collective held back on the
      GPU (a sleep kernel queued before it) passes its deadline; with the weight group's scoped
      TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the group is aborted and the process survives torch's
-     watchdog, with torch's default (3) the watchdog kills the process.
+     watchdog, with torch's default (3) the watchdog kills the process. And communicator creation
+     with a member that never comes (a 2-rank group, rank 1 absent): `connect_group` gives up at
+     its deadline, while a plain first collective is still blocked 10 s later.
   S7 asyncrl's real `LearnerWorker.train_step` (bf16, ZeRO-3, gradient checkpointing, several
      micro-batches) on the tiny policy, then `export_named_tensors` through a `WeightSender` into
      a `WeightReceiver`: bit-exact against the learner's own parameters.
@@ -505,6 +507,22 @@ mode = sys.argv[2]
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
 store = g.make_store("127.0.0.1", 0, is_master=True, timeout_s=30)
+if mode == "connect":  # a 2-rank group whose other member never comes: communicator creation
+    import threading
+    t = time.monotonic()
+    try:
+        g.connect_group(lambda: g.make_group(store, 1, 0, 2, "nccl", 2.0, dev), dev, time.monotonic() + 3.0, 60.0)
+        status = "connected"
+    except g.CollectiveTimeout:
+        status = "passed_deadline"
+    print(json.dumps({"event": "connect", "status": status, "s": round(time.monotonic() - t, 3)}), flush=True)
+    box = {}
+    pg = g.make_group(store, 2, 0, 2, "nccl", 2.0, dev)  # the unbounded way: first collective in a thread
+    th = threading.Thread(target=lambda: box.update(work=pg.broadcast([torch.ones(1, device=dev)])), daemon=True)
+    th.start()
+    th.join(10.0)
+    print(json.dumps({"event": "plain_first_collective", "returned_within_10s": not th.is_alive()}), flush=True)
+    os._exit(0)
 if mode == "scoped":  # the weight group's way: make_group, error handling 2 while it is constructed
     g.backstop_timeout = lambda timeout_s: timedelta(seconds=3)  # the group's own (watchdog) timeout
     pg = g.make_group(store, 1, 0, 1, "nccl", 1.0, dev)
@@ -542,7 +560,7 @@ def s6_nccl_failure(args) -> dict[str, Any]:
     if not torch.distributed.is_nccl_available():
         raise Skip("torch has no NCCL")
     out: dict[str, Any] = {}
-    for mode in ("scoped", "default"):
+    for mode in ("connect", "scoped", "default"):
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", NCCL_CHILD, str(ROOT), mode], capture_output=True, text=True,
                               timeout=120)
@@ -550,12 +568,15 @@ def s6_nccl_failure(args) -> dict[str, Any]:
         out[mode] = {"returncode": proc.returncode, "events": events, "seconds": round(time.perf_counter() - t, 1),
                      "stderr_tail": proc.stderr[-600:]}
     scoped, default = out["scoped"], out["default"]
+    connect = {e["event"]: e for e in out["connect"]["events"]}
+    out["connect_bounded"] = connect.get("connect", {}).get("status") == "passed_deadline"
+    out["plain_first_collective_blocks"] = connect.get("plain_first_collective", {}).get("returned_within_10s") is False
     passed = [e.get("status") for e in scoped["events"] if e["event"] == "deadline"] == ["passed_deadline"]
     out["scoped_survives"] = scoped["returncode"] == 0 and any(e["event"] == "alive_after_watchdog"
                                                                 for e in scoped["events"])
     out["default_dies"] = default["returncode"] != 0 and not any(e["event"] == "alive_after_watchdog"
                                                                   for e in default["events"])
-    out["ok"] = passed and out["scoped_survives"] and out["default_dies"]
+    out["ok"] = passed and out["scoped_survives"] and out["default_dies"] and out["connect_bounded"]
     return out
 
 
