@@ -3,8 +3,13 @@
 `check_model(cfg)` resolves every model path once (asyncrl.cluster.resolve_model_paths), reads the
 policy's (and a model verifier's) `config.json` and tokenizer files, and runs every registered check.
 Each check returns rows (`Row`: one ✔/✘ line with the fix), which `python -m asyncrl.doctor` shows
-in its table and the launcher turns into one message and exit status 2 on any ✘. Reading the files
+in its table and the launcher turns into one `error:` line per ✘ and exit status 2. Reading the files
 is plain JSON (no torch, transformers or vLLM import), so a refused launch ends in about a second.
+The built-in checks, in order: the policy's context against the lengths and the engine's
+`max_model_len`; the engine's token budget and CPU KV cache; chat templates; vision keys against
+the model type; a model verifier's context; `env:` secrets and CurveZMQ key files; the data's
+prompt/answer columns; fixed listener ports and `trainer.resume`; the rule verifier's task; weight
+files whole (plus whatever else is registered, e.g. the memory guard).
 
 The policy's context follows vLLM 0.32's own derivation (`vllm.config.model._get_and_verify_max_len`
 with `ModelArchConfigConvertor.derive_max_model_len_and_key`), on the text part of the config
