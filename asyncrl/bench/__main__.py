@@ -17,7 +17,7 @@ from pathlib import Path
 
 from asyncrl.cli import add_config_args, config_from_args, fail
 
-SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence", "trl"]
+SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence", "trl", "scale"]
 MODEL_SCENARIOS = ("rollout",)  # the others build no engine from model.path, or go through asyncrl.runtime.run
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
