@@ -1,12 +1,12 @@
-"""The NCCL environment of the weight group, checkable without a GPU: NCCL_CUMEM_ENABLE is
-aligned to the sender's value (set when unset, a loud error naming both values when it differs);
+"""The NCCL environment of the weight group, checkable without a GPU: one NCCL_CUMEM_ENABLE for the
+whole job (the launcher's value, else "0", in the job's runtime_env and every learner rank's env),
+and a disagreement message naming every member that differs;
 the error-handling mode is set only around the group's construction; `wait_work` enforces its
 deadline on a collective that never completes (a fake Work: no GPU here) and re-raises a failed
 one's error."""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
