@@ -36,9 +36,13 @@ Membership protocol (all keys in the sender's TCPStore, which is also the rendez
   (`failed`), and rebuilds the group without them at the next broadcast; the dropped member's
   process, or its restart under the same id, sees `g{g}/out/{id}` and re-feeds from the store.
 - NCCL: the group is built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the
-  communicator, never the process) and a backstop timeout later than every deadline above;
-  NCCL_CUMEM_ENABLE travels in the plan so both sides use the same value; `set_device` before
-  the sends and the exporter's gathers.
+  communicator, never the process) and a backstop timeout later than every deadline above; it is
+  built and connected (its first collective, where NCCL creates the communicator) under the
+  sender's deadline (`group.connect_group`), members silent there are dropped; NCCL_CUMEM_ENABLE is
+  one value for the whole job (`group.job_nccl_env`, in every process's environment before it
+  starts): the sender's value travels in the plan, each member's in its ready key, and a group
+  whose members disagree is refused with `NcclEnvMismatch` naming them; `set_device` before the
+  sends and the exporter's gathers.
 - integrity: the end header carries a fingerprint of every tensor (float64 sum and |sum| of 64
   elements at indices fixed by the tensor's name), so a receiver checks what arrived exactly.
 - a dropped member that calls `receive` again asks to rejoin (`joinreq/{n}`); the sender takes it
@@ -46,8 +50,10 @@ Membership protocol (all keys in the sender's TCPStore, which is also the rendez
 Guarantee: no sender call blocks longer than about `timeout_s` per bucket plus a second of
 grace whatever the members do; every member that acks a round holds exactly the broadcast
 tensors (fingerprint-checked); every `publish_every`-th version is also published (a host copy
-taken at broadcast time) to the `WeightStore` named Ray actor for late joiners, restarts and
-dropped members, by default from a background thread (`publish_mode`), in version order.
+taken at broadcast time into one reused host arena, page-locked on a GPU: `store.HostArena`) to
+the `WeightStore` named Ray actor for late joiners, restarts and dropped members, by default from
+a background thread (`publish_mode`), in version order. The topology publishes version 0 at
+start-up, so the store is never empty.
 
 Departure from Guided-GRPO (EasyR1/verl): there the rollout shares the learner's GPUs and weights
 move in-process; asyncrl's rollout fleet is separate, so weights move over the network.
