@@ -173,12 +173,34 @@ def _multi_node_recipes() -> list[Path]:
                   if re.search(r"Hardware: ([2-9]|\d\d+) nodes", p.read_text()))
 
 
+# The recipes' hub models as the driver's model checks (asyncrl.preflight) read them: config.json with
+# their published context keys, a chat template, a (header-only) weight file; no hub is reachable here.
+HUB_STUBS = {
+    "Qwen/Qwen3-14B": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "max_position_embeddings": 40960},
+    "Qwen/Qwen3-VL-8B-Instruct": {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+                                  "text_config": {"max_position_embeddings": 262144}},
+    "ruitongl/Guided-Verifier-8B": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                                    "max_position_embeddings": 40960},
+}
+
+
+def hub_stubs(root: Path) -> Path:
+    for repo, config in HUB_STUBS.items():
+        d = root / repo.replace("/", "--")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(config))
+        (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+        (d / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    return root
+
+
 @needs_netns
 def test_multi_node_recipes_stop_at_the_gpu_check(cluster: NetnsCluster, tmp_path: Path) -> None:
     recipes = _multi_node_recipes()
     assert len(recipes) >= 2, recipes
+    models = hub_stubs(tmp_path / "models")
     for recipe in recipes:
-        proc = launch(cluster, tmp_path, f"cluster.ray_address={cluster.address}",
+        proc = launch(cluster, tmp_path, f"cluster.ray_address={cluster.address}", f"cluster.model_dir={models}",
                       config=str(recipe.relative_to(ROOT)), timeout=300)
         assert proc.returncode == 1, (recipe.name, proc.stdout[-2000:], proc.stderr[-2000:])
         assert re.search(r"needs \d+ GPUs \(.*\) on the cluster at .*, cluster has 0", proc.stderr), \
