@@ -480,6 +480,14 @@ def _derive_verifier(o: dict[str, Any], user: dict[str, Any], conv: Conversion) 
     if not enable:
         return
     conv.set("verifier.backend", "http" if o["worker.rollout.verifier.use_http"] else "vllm")
+    if not o["worker.rollout.verifier.use_http"]:
+        # The original builds its local verifier engine with the policy engine's context length.
+        context = o.get("worker.rollout.max_model_len") or o["data.max_prompt_length"] + o["data.max_response_length"]
+        conv.set("verifier.max_model_len", int(context), "the original's local verifier engine has the policy "
+                 "engine's context (worker.rollout.max_model_len, else prompt + response length)")
+        conv.warn("changed", "worker.rollout.verifier.model_path", "the original's local verifier engine is built "
+                  "with load_format=dummy and never loads these weights (a random verifier); asyncrl serves the "
+                  "checkpoint's real weights")
     attempts = o["worker.rollout.verifier.http_max_retries"]
     conv.set("verifier.http.max_retries", max(0, int(attempts) - 1),
              f"worker.rollout.verifier.http_max_retries={attempts} attempts in all = {max(0, int(attempts) - 1)} "

@@ -152,6 +152,8 @@ def test_local_verifier_script_two_nodes(tmp_path: Path) -> None:
     # rollout: 16 - 2 - 4 = 10 actors x TP1
     assert roles(on) == (4, 10, 1, 2) and on["verifier"]["backend"] == "vllm"
     assert on["rollout"]["guide"]["max_turns"] == 10
+    assert on["verifier"]["max_model_len"] == 20000  # the policy engine's, as the original builds it
+    assert "never loads these weights" in err  # the original's local verifier ran with random weights
     assert "verifier      2  2 replica(s) x 1 GPU" in err
 
 
