@@ -5,7 +5,7 @@ Qwen2.5-0.5B's, random weights, the quick start's tokenizer): it is the first pl
 timeouts, copies, object-store puts and checkpoints cost what they will cost for real. Three jobs
 through the launcher, each in its own process, with a small batch and no evaluation:
 `extension` and `native` (the two weight paths; `ASYNCRL_BENCH_STEPS` learner steps each, default
-3, ending with a checkpoint), then `resume` (from the extension run's checkpoint, one more step).
+3, ending with a checkpoint), then `resume` (from the first one's checkpoint, one more step).
 Per job: seconds of every start-up step (the launcher's "X ready (Ns)" lines), seconds per learner
 step, weight sync and broadcast per step, fingerprint mismatches, the checkpoint's bytes, the exit
 status, and the peak resident memory of every role (learner ranks, rollout actors, vLLM engine
@@ -91,8 +91,16 @@ class RssSampler:
 
 
 def run_job(config: str, overrides: list[str], tag: str, run_root: Path) -> dict[str, Any]:
+    """One job through `python -m asyncrl.launch`; retried once (and marked so) when Ray itself
+    did not start, which on a loaded machine is the machine, not the job."""
+    job = _run_job_once(config, overrides, tag, run_root / tag)
+    if job["exit"] != 0 and "ray (embedded)" in job["tail"] and "failed to start" in job["tail"]:
+        job = {**_run_job_once(config, overrides, tag, run_root / f"{tag}-retry"), "retried": True}
+    return job
+
+
+def _run_job_once(config: str, overrides: list[str], tag: str, run_dir: Path) -> dict[str, Any]:
     """One job through `python -m asyncrl.launch` in its own process; its figures."""
-    run_dir = run_root / tag
     argv = [sys.executable, "-m", "asyncrl.launch", "--config", config, *overrides, f"trainer.run_dir={run_dir}"]
     t0 = time.time()
     with launched(argv) as (proc, sampler):
@@ -166,9 +174,10 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
               "trainer.eval_every=-1", "trainer.save_every=-1", "trainer.logger=[jsonl]", "verifier.port=0"]
     jobs = [run_job(args.config, [*common, "rollout.weight_transfer=extension"], "extension", run_root),
             run_job(args.config, [*common, "rollout.weight_transfer=native"], "native", run_root)]
-    if jobs[0]["checkpoint"]:
-        jobs.append(run_job(args.config, [*common, f"trainer.max_steps={steps + 1}",
-                                          f"trainer.resume={jobs[0]['checkpoint']}"], "resume", run_root))
+    checkpoint = next((j["checkpoint"] for j in jobs if j["checkpoint"]), None)
+    if checkpoint:
+        jobs.append(run_job(args.config, [*common, f"trainer.max_steps={steps + 1}", f"trainer.resume={checkpoint}"],
+                            "resume", run_root))
     bare = bare_gloo_seconds(int(4 * shape.params))
     sync = jobs[0]["weight_sync_s"]
     result = {"model": cfg.model.path, "parameters": shape.params, "fp32_bytes": int(4 * shape.params),
