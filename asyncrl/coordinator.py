@@ -278,5 +278,9 @@ class Coordinator:
         return {**self.status_snapshot, "version": self.version, "admitting": self.admitting,
                 "prompts_completed": self._completed, "prompts_in_flight": len(self._in_flight),
                 "prompts_abandoned": self._abandoned, "prompts_buffered": len(self._buffered),
-                **{f"coordinator/{k}": v for k, v in self.counters.items()},
-                "uptime_s": time.time() - self.started_at}
+                **counter_metrics(self.counters), "uptime_s": time.time() - self.started_at}
+
+
+def counter_metrics(counters: dict[str, int]) -> dict[str, float]:
+    """The coordinator's counters as `coordinator/<counter>` metrics (their one writer)."""
+    return {f"coordinator/{k}": float(v) for k, v in counters.items()}

@@ -27,9 +27,11 @@ mean over samples). The JSON top level carries
 mode)` reuses an offline `vllm.LLM`; `evaluate_async(generate, tokenizer, rows, mode)` drives any
 async `generate(prompt_ids, seed)` (e.g. a rollout actor's engine).
 
-A training job evaluates on its rollout fleet, the rows split over the actors; `merge_shards`
-turns the actors' per-shard answers into one result of the same layout (`merge_mode` weights each
-shard's numbers by its `n` and recomputes the standard error from the merged `n`).
+A training job evaluates on its rollout fleet (`evaluate_on_fleet`), the rows split over the
+actors; every back-end (rule, verifier service, VL) answers `{mode: summary}` in the layout of
+`summarize`, and `merge_shards` turns the actors' answers into one result of the layout of `combine`
+(`merge_mode` weights each shard's numbers by its `n` and recomputes the standard error from the
+merged `n`).
 """
 
 from __future__ import annotations
@@ -268,26 +270,40 @@ def merge_mode(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def merge_service_eval(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge per-shard results of an evaluation against the verifier service (keyed by `num_rows`)."""
-    total = sum(p.get("num_rows", 0) for p in parts) or 1
-    out: dict[str, Any] = {"num_rows": total}
-    for key in EVAL_KEYS:
-        vals = [(p[key], p.get("num_rows", 0)) for p in parts if key in p]
-        if vals:
-            out[key] = sum(v * n for v, n in vals) / max(sum(n for _, n in vals), 1)
-    return out
-
-
 def merge_shards(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """One result from the rollout actors' per-shard answers (`{mode: summary}`, or `{"service": ...}`
-    against the verifier service): the merged result in the layout of `combine`, and each mode's
-    transcripts (taken out of the shards) in row order."""
+    """One result from the rollout actors' per-shard answers (`{mode: summary}`, the same layout for
+    every back-end): the merged result in the layout of `combine`, and each mode's transcripts
+    (taken out of the shards) in row order."""
     conversations = {m: sorted((c for p in parts for c in p[m].pop("conversations", [])), key=row_order)
-                     for m in parts[0] if isinstance(parts[0][m], dict)}
-    if "service" in parts[0]:
-        return merge_service_eval([p["service"] for p in parts]), conversations
+                     for m in parts[0]}
     return combine({m: merge_mode([p[m] for p in parts]) for m in parts[0]}), conversations
+
+
+def evaluate_on_fleet(cfg: Any, fleet: Any, version: int, run_dir: Path, split: str, tag: str) -> dict[str, Any]:
+    """Greedy evaluation of a training job's policy on its rollout fleet (current weights), the rows
+    of `data.test_files` / `data.val_files` split over the actors: the merged result (layout of
+    `combine`) plus `seconds`, `version` and `rows`; written with its transcripts to
+    `<run_dir>/samples/eval_<tag>.json`, returned without them (summary.json stays small)."""
+    from asyncrl.data import load_rows
+    from asyncrl.startup import say
+
+    files = cfg.data.test_files if split == "test" else cfg.data.val_files
+    rows = load_rows(files, cfg.data)
+    if cfg.trainer.eval_limit:
+        rows = rows[: cfg.trainer.eval_limit]
+    if cfg.data.prompt_key != "problem":
+        rows = [{**r, "problem": r[cfg.data.prompt_key], "answer": r[cfg.data.answer_key]} for r in rows]
+    t0 = time.time()
+    result, conversations = merge_shards(fleet.evaluate(rows, "both", cfg.trainer.samples_per_eval))
+    result.update({"seconds": time.time() - t0, "version": version, "rows": len(rows)})
+    if any(conversations.values()):
+        result["conversations"] = conversations
+    (run_dir / "samples").mkdir(exist_ok=True)
+    (run_dir / "samples" / f"eval_{tag}.json").write_text(json.dumps(result, indent=2, default=str))
+    result.pop("conversations", None)
+    say(f"eval {tag} (v{version}, {len(rows)} rows, {result['seconds']:.0f}s): "
+        + ", ".join(f"{k} {result[k]:.3f}" for k in EVAL_KEYS if isinstance(result.get(k), float)))
+    return result
 
 
 def evaluate(model_path: str, rows: Sequence[dict], mode: Mode | Literal["both"] = "both", *, task: str = "arith",

@@ -4,6 +4,10 @@
 Guarantees: one `metrics.jsonl` row per learner step, flushed at once (a killed run keeps every
 finished step); non-scalar values (histograms such as `buffer/staleness_hist`) go to jsonl as lists
 and to TensorBoard as histograms; W&B runs offline unless `WANDB_API_KEY` is set.
+
+Every key has one writer and one meaning (docs/metrics.md; tests/unit/test_metric_writers.py checks
+the table against the code). Keys renamed for that are in `RENAMED`: readers of a metrics.jsonl
+written before the rename go through `upgrade_row` (kept for one release).
 """
 
 from __future__ import annotations
@@ -14,6 +18,29 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+# (new name, old name): the old key of rows written before each key got its one writer.
+RENAMED = (
+    ("perf/policy_tokens", "perf/train_tokens"),  # the driver's policy tokens per step (it overwrote the learner's)
+    ("perf/policy_tokens_per_s", "perf/tokens_per_s"),
+    ("train/staleness_mean", "buffer/staleness_mean"),  # per trained batch (the buffer's is over the run)
+)
+
+
+def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row with the current names (a row of an older run also answers to the new ones)."""
+    missing = {new: row[old] for new, old in RENAMED if new not in row and old in row}
+    return {**row, **missing} if missing else row
+
+
+def staleness_total(rows: list[dict[str, Any]]) -> list[int]:
+    """The staleness histogram of every trained group of a run (the sum of the per-step ones)."""
+    hist: list[int] = []
+    for r in rows:
+        h = r.get("buffer/staleness_hist")
+        if isinstance(h, list):
+            hist = [int(a) + int(b) for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+    return hist
 
 
 def _scalar(value: Any) -> float | None:
@@ -113,8 +140,8 @@ def format_console(step: int, max_steps: int, m: dict[str, Any]) -> str:
         ("rollout/reward_mean", "reward", "{:.3f}"),
         ("reward/accuracy", "acc", "{:.3f}"),
         ("rollout/turns_mean", "turns", "{:.2f}"),
-        ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-        ("buffer/staleness_mean", "stale", "{:.2f}"),
+        ("perf/policy_tokens_per_s", "tok/s", "{:.0f}"),
+        ("train/staleness_mean", "stale", "{:.2f}"),
         ("loss/pg", "pg", "{:+.4f}"),
         ("perf/step_s", "step_s", "{:.1f}"),
     ):
@@ -131,6 +158,7 @@ def save_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [upgrade_row(r) for r in rows]
     steps = [r["step"] for r in rows]
     written = []
 
@@ -140,7 +168,7 @@ def save_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     panels = {
         "reward.png": ["rollout/reward_mean", "reward/accuracy", "eval/guided_accuracy"],
         "turns_tokens.png": ["rollout/turns_mean", "rollout/response_len_mean"],
-        "throughput.png": ["perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio"],
+        "throughput.png": ["perf/policy_tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio"],
     }
     for name, keys in panels.items():
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -156,11 +184,7 @@ def save_plots(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    hist: list[float] = []
-    for r in rows:
-        h = r.get("buffer/staleness_hist")
-        if isinstance(h, list):
-            hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+    hist = staleness_total(rows)
     if hist:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.bar(range(len(hist)), hist)

@@ -40,7 +40,7 @@ PANELS = (  # (title, [(metric key, label)])
                 ("reward/accuracy", "trained accuracy")]),
     ("Accuracy (evaluations)", [("eval/guided_accuracy", "guided (val)"), ("eval/solver_accuracy", "solver-only (val)")]),
     ("Turns per sample", [("rollout/turns_mean", "rollout"), ("train/turns_mean", "trained")]),
-    ("Tokens / s", [("perf/tokens_per_s", "trained tokens/s"), ("rollout/tokens_per_s", "rollout tokens/s")]),
+    ("Tokens / s", [("perf/policy_tokens_per_s", "trained tokens/s"), ("rollout/tokens_per_s", "rollout tokens/s")]),
     ("Idle ratios", [("perf/learner_idle_ratio", "learner idle"), ("perf/rollout_idle_ratio", "rollout idle")]),
     ("Mismatch KL (behaviour vs learner)", [("train/mismatch_kl", "mismatch KL")]),
 )
@@ -56,8 +56,9 @@ def _read_json(path: Path) -> Any:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The effective rows of metrics.jsonl (a resumed or recovered run's rolled-back steps are
-    dropped at each `resumed_from` marker); a last line still being written (running job) is skipped."""
-    from asyncrl.metrics import effective_rows
+    dropped at each `resumed_from` marker); a last line still being written (running job) is skipped.
+    Rows of an older run also answer to the keys' current names (asyncrl.metrics.upgrade_row)."""
+    from asyncrl.metrics import effective_rows, upgrade_row
 
     rows = []
     path = run_dir / "metrics.jsonl"
@@ -67,7 +68,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-    return effective_rows(rows)
+    return [upgrade_row(r) for r in effective_rows(rows)]
 
 
 def _eval_file(run_dir: Path, tag: str) -> dict[str, Any] | None:
@@ -149,11 +150,9 @@ def plot_images(rows: list[dict[str, Any]], before: dict | None = None, after: d
         ax.legend(fontsize=7)
         fig.tight_layout()
         out.append((title, _png(fig)))
-    hist: list[float] = []
-    for r in rows:
-        h = r.get("buffer/staleness_hist")
-        if isinstance(h, list):
-            hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)), strict=True)]
+    from asyncrl.metrics import staleness_total
+
+    hist = staleness_total(rows)
     if hist:
         fig, ax = plt.subplots(figsize=(5.2, 3.0))
         ax.bar(range(len(hist)), hist)

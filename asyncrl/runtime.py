@@ -22,10 +22,14 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.logs import echo, log_dir, quiet_console, verbose, worker_env
 from asyncrl.startup import RepeatedFailure, StartupError, StopFlag, check_reachable, say, step_timer
+
+if TYPE_CHECKING:
+    from asyncrl.metrics import MetricLogger
 
 
 # ------------------------------------------------------------------------------------- run dir
@@ -166,13 +170,13 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
             "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "")}))
         trainer = Trainer(cfg, topo, run_dir, stop, resume)
         try:
-            return trainer.train()
+            summary = trainer.train()
         except RepeatedFailure:
             raise  # a fault no restart fixes (e.g. an unreachable address): its one message, exit 1 (below)
         except Exception as exc:  # noqa: BLE001 - a component died: one message, a checkpoint, exit 3
             return trainer.on_failure(exc)
-        finally:
-            trainer.close()  # before the topology goes: nothing of the run is left to the GC
+        finish_run(run_dir, summary, trainer.logger)
+        return 0
     except StartupError as exc:
         line = str(exc)  # one line, first; the traceback below goes to driver.log when quiet
         if exc.__cause__ is not None and "(traceback: " not in line and not verbose():
@@ -188,3 +192,28 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         (run_dir / "job.json").unlink(missing_ok=True)
         if ray.is_initialized():
             ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------- the end
+def finish_run(run_dir: Path, summary: dict[str, Any], logger: MetricLogger) -> None:
+    """What a finished run leaves for a person: summary.json (with the staleness histogram of every
+    trained group), the metric sinks closed, PNG plots, the console table and report.html. Plots
+    and report are conveniences: a failure there is one line, never a failed run."""
+    from asyncrl.eval import print_summary
+    from asyncrl.metrics import save_plots, staleness_total
+
+    rows = logger.rows
+    summary = {**summary, "staleness_hist": staleness_total(rows)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    logger.close()
+    try:
+        save_plots(rows, run_dir / "plots")
+    except Exception as exc:  # noqa: BLE001 - plots are a convenience; never fail the run for them
+        say(f"plots not written: {exc}")
+    print_summary(summary)
+    try:
+        from asyncrl.report import write_report
+
+        say(f"report: {write_report(run_dir)} (open it in a browser; logs in {run_dir / 'logs'})")
+    except Exception as exc:  # noqa: BLE001 - the report is a convenience; never fail the run for it
+        say(f"report not written: {type(exc).__name__}: {exc}")

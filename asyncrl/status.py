@@ -17,8 +17,8 @@ from typing import Any
 STATUS_FILE = "status.json"
 # The metrics of the latest step that a status carries under `latest` (what format_status shows).
 STATUS_KEYS = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "rollout/turns_mean", "perf/step_s",
-               "perf/tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio", "buffer/size_groups",
-               "buffer/staleness_mean", "perf/weight_sync_s", "verifier/version",
+               "perf/policy_tokens_per_s", "perf/learner_idle_ratio", "perf/rollout_idle_ratio", "buffer/size_groups",
+               "train/staleness_mean", "perf/weight_sync_s", "verifier/version",
                "buffer/in_flight", "buffer/admission_used", "buffer/admission_limit", "buffer/staleness_max",
                "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
 
@@ -58,7 +58,9 @@ def _duration(seconds: float | None) -> str:
 def format_status(status: dict[str, Any], *, now: float | None = None, running: bool = True) -> str:
     """A readable table of `status` (the dict `write_status` wrote or the coordinator holds)."""
     now = time.time() if now is None else now
-    latest = status.get("latest", {})
+    from asyncrl.metrics import upgrade_row
+
+    latest = upgrade_row(status.get("latest", {}))  # a status.json of an older job: the old key names
     age = now - status["updated"] if "updated" in status else None
     state = "running" if running else "not running"
     lines = [f"job      {status.get('run_dir', '-')}  [{state}; status {_duration(age)} old]",
@@ -69,7 +71,7 @@ def format_status(status: dict[str, Any], *, now: float | None = None, running: 
                                        f"{_fmt(latest.get('train/reward_mean'), '.3f')}"),
         ("accuracy (trained batch)", _fmt(latest.get("reward/accuracy"), ".3f")),
         ("turns per sample", _fmt(latest.get("rollout/turns_mean"), ".2f")),
-        ("tokens/s (trained / rollout)", f"{_fmt(latest.get('perf/tokens_per_s'), '.0f')} / "
+        ("tokens/s (trained / rollout)", f"{_fmt(latest.get('perf/policy_tokens_per_s'), '.0f')} / "
                                          f"{_fmt(latest.get('rollout/tokens_per_s'), '.0f')}"),
         ("step time", _fmt(latest.get("perf/step_s"), ".2f") + " s"),
         ("idle (learner / rollout)", f"{_fmt(latest.get('perf/learner_idle_ratio'), '.2f')} / "
@@ -77,7 +79,7 @@ def format_status(status: dict[str, Any], *, now: float | None = None, running: 
         ("buffer", f"{_fmt(latest.get('buffer/size_groups'))} group(s) queued, "
                    f"{_fmt(latest.get('buffer/in_flight'))} in flight, admission "
                    f"{_fmt(latest.get('buffer/admission_used'))}/{_fmt(latest.get('buffer/admission_limit'))}"),
-        ("staleness (mean / max)", f"{_fmt(latest.get('buffer/staleness_mean'), '.2f')} / "
+        ("staleness (mean / max)", f"{_fmt(latest.get('train/staleness_mean'), '.2f')} / "
                                    f"{_fmt(latest.get('buffer/staleness_max'))}"),
         ("verifier", f"{status.get('verifier_version', '-')}   latency p50 "
                      f"{_fmt(latest.get('verifier/latency_ms_p50'), '.1f')} ms, p95 "

@@ -190,12 +190,13 @@ async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, ve
                         mode: str = "both", max_concurrency: int = 32, vl: VLContext | None = None) -> dict[str, Any]:
     """Greedy evaluation (rollout.val_override_config) of `rows` (PromptItem-like dicts with
     `messages` and `ground_truth`): guided (verifier in the loop, no reference unless
-    verifier_sees_reference=always) and/or solver-only (one turn, no verifier)."""
+    verifier_sees_reference=always) and/or solver-only (one turn, no verifier). Returns `{mode: summary}`
+    in the layout of the rule back-end's (`eval_summary`), so one merger serves every back-end."""
     from asyncrl.rewards import grade_final_answer
 
     overrides = dict(cfg.rollout.val_override_config)
     sem = asyncio.Semaphore(max_concurrency)
-    out: dict[str, Any] = {"num_rows": len(rows), "samples": []}
+    out: dict[str, Any] = {}
 
     async def one(row: dict[str, Any], guided: bool) -> dict[str, Any]:
         async with sem:
@@ -207,28 +208,41 @@ async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, ve
                     vp = prepare_vl_prompt(c, row, vl)
                 except PromptTooLong:
                     # counted as wrong (as a truncated prompt would be), with empty token counts
-                    return {"correct": False, "turns": 0, "format": False,
+                    return {"correct": False, "turns": 0, "format": False, "finish_reason": "prompt_too_long",
                             "meta": {"tokens": {"policy": 0, "user": 0}, "verifier_hallucination_score": 0.0}}
             convs = await run_guided_group(c, row, engine, verifier, chat=chat, training=False, n=1,
                                            sampling_overrides=overrides, vp=vp, vl=vl)
             conv = convs[0]
             correct = grade_final_answer(conv.final_text, row.get("ground_truth"))
             meta = sample_metadata(conv, include_text=True)
-            return {"correct": correct, "turns": conv.num_turns, "meta": meta,
+            return {"correct": correct, "turns": conv.num_turns, "meta": meta, "finish_reason": str(conv.finish_reason),
                     "format": bool(conv.turns[-1].has_final_answer)}
 
     modes = ["guided", "solver"] if mode == "both" else [mode]
     for m in modes:
         if m == "guided" and not cfg.rollout.guide.enable:
             continue
+        t0 = time.time()
         results = await asyncio.gather(*(one(r, m == "guided") for r in rows))
-        n = max(len(results), 1)
-        out[f"{m}_accuracy"] = sum(r["correct"] for r in results) / n
-        if m == "guided":
-            out["mean_turns"] = sum(r["turns"] for r in results) / n
-            out["mean_policy_tokens"] = sum(r["meta"]["tokens"]["policy"] for r in results) / n
-            out["mean_verifier_tokens"] = sum(r["meta"]["tokens"]["user"] for r in results) / n
-            out["format_rate"] = sum(r["format"] for r in results) / n
-            out["hallucination_score"] = sum(r["meta"]["verifier_hallucination_score"] for r in results) / n
-            out["samples"] = [r["meta"] for r in results[:8]]
+        out[m] = eval_summary(m, results)
+        out[m]["wall_s"] = time.time() - t0
     return out
+
+
+def eval_summary(mode: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's numbers in the layout of `asyncrl.eval.summarize` (mergeable by `n`)."""
+    from asyncrl.eval import accuracy_se
+
+    n = len(results)
+    mean = (lambda xs: sum(xs) / max(n, 1))  # noqa: E731
+    accuracy = mean([float(r["correct"]) for r in results])
+    reasons: dict[str, int] = {}
+    for r in results:
+        reasons[r["finish_reason"]] = reasons.get(r["finish_reason"], 0) + 1
+    return {"mode": mode, "n": n, "accuracy": accuracy, "accuracy_se": accuracy_se(accuracy, n),
+            "mean_turns": mean([r["turns"] for r in results]),
+            "mean_policy_tokens": mean([r["meta"]["tokens"]["policy"] for r in results]),
+            "mean_verifier_tokens": mean([r["meta"]["tokens"]["user"] for r in results]),
+            "format_rate": mean([float(r["format"]) for r in results]),
+            "hallucination_score": mean([r["meta"]["verifier_hallucination_score"] for r in results]),
+            "finish_reasons": reasons}

@@ -307,19 +307,12 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- evaluation and stats
     async def evaluate(self, rows: list[dict[str, Any]], mode: str = "both", keep_conversations: int = 0) -> dict[str, Any]:
-        """Greedy evaluation with this actor's engine (current weights). With the rule back-end this
-        is exactly `python -m asyncrl.eval` (asyncrl.eval.evaluate_async); otherwise the guided
-        protocol runs against the verifier service. Returns per-mode summaries (mergeable by `n`);
-        rule back-end: each with the transcripts of its first `keep_conversations` rows."""
-        if self.vl is not None:  # VL: the guided protocol with VL prompts (evaluate_async is text-only)
-            from asyncrl.actors.group import evaluate_rows
-            from asyncrl.data import make_item
-
-            # raw data rows -> stream items (messages with image items, images, row) as in training
-            items = [make_item(rows, i, self.cfg.data, i, "eval").to_dict() for i in range(len(rows))]
-            return {"service": await evaluate_rows(self.cfg, items, self.engine, self.verifier, chat=self.chat,
-                                                   mode=mode, vl=self.vl)}
-        if self.cfg.verifier.backend == "rule":
+        """Greedy evaluation with this actor's engine (current weights): `{mode: summary}` in one
+        layout for every back-end (asyncrl.eval.merge_shards merges the actors' answers). With the
+        rule back-end this is exactly `python -m asyncrl.eval` (asyncrl.eval.evaluate_async, each mode
+        with the transcripts of its first `keep_conversations` rows); otherwise, and for VL prompts,
+        the guided protocol runs against the verifier service (asyncrl.actors.group.evaluate_rows)."""
+        if self.vl is None and self.cfg.verifier.backend == "rule":
             from asyncrl.actors.group import make_generate
             from asyncrl.eval import evaluate_async
 
@@ -336,7 +329,11 @@ class RolloutWorker:
             return out
         from asyncrl.actors.group import evaluate_rows
 
-        return {"service": await evaluate_rows(self.cfg, rows, self.engine, self.verifier, chat=self.chat, mode=mode)}
+        if self.vl is not None:  # raw data rows -> stream items (messages with image items, images, row) as in training
+            from asyncrl.data import make_item
+
+            rows = [make_item(rows, i, self.cfg.data, i, "eval").to_dict() for i in range(len(rows))]
+        return await evaluate_rows(self.cfg, rows, self.engine, self.verifier, chat=self.chat, mode=mode, vl=self.vl)
 
     def stats(self) -> dict[str, Any]:
         """Rollout metrics since the previous call (rates) and over recent groups (means)."""

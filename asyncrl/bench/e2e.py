@@ -57,7 +57,7 @@ def figures(rows: list[dict[str, Any]], warmup: int, *, max_staleness: int, roll
     wait for its batch; T (train + sync, per step) = mean step time - R."""
     steady = rows[warmup:] if len(rows) > warmup + 1 else rows
     wall = steady[-1]["time"] - steady[0]["time"] + steady[0].get("perf/step_s", 0.0)
-    tokens = sum(r.get("perf/train_tokens", 0) for r in steady)
+    tokens = sum(r.get("perf/policy_tokens", r.get("perf/train_tokens", 0)) for r in steady)  # old runs: the old name
     hist: list[int] = []
     for r in rows:
         h = r.get("buffer/staleness_hist") or []

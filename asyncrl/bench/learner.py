@@ -177,7 +177,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
             t0 = time.perf_counter()
             m = worker.train_step(b)
             sync()
-            timed_learner.tokens = int(m["perf/train_tokens"])  # type: ignore[attr-defined]
+            timed_learner.tokens = int(m["perf/learner_tokens"])  # type: ignore[attr-defined]
             return time.perf_counter() - t0
 
         def timed_bare(micro: list[Any] = micro) -> float:

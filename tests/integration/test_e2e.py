@@ -66,14 +66,14 @@ def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
     last = rows[-1]
     assert last["buffer/ingested"] == (last["buffer/consumed"] + last["buffer/size_groups"]
                                        + last["buffer/dropped_stale"] - last["buffer/dropped_stale_at_ingest"])
-    for key in ("perf/learner_idle_ratio", "perf/rollout_idle_ratio", "perf/weight_sync_s", "perf/tokens_per_s",
+    for key in ("perf/learner_idle_ratio", "perf/rollout_idle_ratio", "perf/weight_sync_s", "perf/policy_tokens_per_s",
                 "buffer/staleness_hist", "rollout/turns_mean", "train/mismatch_kl", "loss/pg", "reward/overall"):
         assert key in last, key
     # every sync's fingerprint (wire + read-back) was checked and matched
     assert all(r["weights/fingerprint_mismatch"] == 0 for r in rows)
     # The straight data path: every step trained a real batch (bytes fetched by learner rank 0),
     # and the driver process encoded or decoded zero Group/Sample bytes.
-    assert all(r["perf/batch_bytes"] > 0 and r["train/samples"] == 2 * 4 for r in rows)
+    assert all(r["perf/batch_bytes"] > 0 and r["train/num_samples"] == 2 * 4 for r in rows)
     assert all(r["perf/driver_bytes"] == 0 for r in rows), [r["perf/driver_bytes"] for r in rows]
     # Run directory artefacts.
     assert (run / "config.resolved.json").exists()

@@ -2,7 +2,12 @@
 an unknown command or a handler that raises becomes an error result for the caller (the job goes
 on), and the job knows exactly the commands the ctl client can queue."""
 
+from types import SimpleNamespace
+
+from asyncrl.config import load_config
 from asyncrl.ctl import _parser, execute
+from asyncrl.startup import StopFlag
+from asyncrl.topology import Topology
 from asyncrl.trainer import Trainer
 
 
@@ -27,8 +32,13 @@ def test_a_handler_that_raises_is_an_error_result():
     assert execute({"scale": boom}, "scale", {"bad": 1})["error"].startswith("TypeError")
 
 
-def test_the_job_handles_every_command_the_client_queues():
-    trainer = Trainer.__new__(Trainer)  # the table only binds methods: no topology needed
+def test_the_job_handles_every_command_the_client_queues(tmp_path):
+    # the loop is built from a topology whose learner is at version 0 (the table only binds methods:
+    # nothing of the topology is called)
+    cfg = load_config("configs/quickstart.yaml", [f"trainer.run_dir={tmp_path}", "trainer.logger=[jsonl]"])
+    topo = Topology(cfg=cfg, run_dir=tmp_path, namespace="test", learner=SimpleNamespace(version=0),
+                    fleet=SimpleNamespace(actors={}))
+    trainer = Trainer(cfg, topo, tmp_path, StopFlag(), resume=None)
     sub = next(a for a in _parser()._actions if a.dest == "command")
     queued = (set(sub.choices) - {"status"}) | {"dry-run-verifier"}  # status is read, swap --dry-run is queued as dry-run
     assert set(trainer.ctl_handlers()) == queued

@@ -128,17 +128,6 @@ def test_metadata(chat):
     json.dumps(m)  # JSON-able
 
 
-def test_group_metrics(chat):
-    from asyncrl.actors.guided import group_metrics
-
-    a, b = two_turns(chat), two_turns(chat)  # identical final turns -> 1 distinct of 2
-    m = group_metrics([a, b])
-    assert m["rollout/unique_final_fraction"] == 0.5 and m["rollout/num_turns"] == 2.0
-    assert m["rollout/finish_max_turns"] == 1.0 and m["rollout/finish_verifier_stop"] == 0.0
-    assert m["rollout/hallucination_score"] == 1.0 and m["rollout/verifier_errors"] == 0.0
-    assert group_metrics([]) == {}
-
-
 def test_to_protocol_sample_roundtrip(chat):
     protocol = pytest.importorskip("asyncrl.protocol")
     from asyncrl.actors.group import build_sample

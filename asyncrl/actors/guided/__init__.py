@@ -50,7 +50,6 @@ from asyncrl.actors.guided.options import CONTINUE_PROMPT, GuideOptions
 from asyncrl.actors.guided.training import (
     TrainingSample,
     build_training_sample,
-    group_metrics,
     sample_metadata,
 )
 from asyncrl.actors.guided.verifier_io import (
@@ -83,7 +82,6 @@ __all__ = [
     "aggregate_hallucination",
     "build_training_sample",
     "flatten_content",
-    "group_metrics",
     "has_final_answer",
     "make_group",
     "parse_verifier_reply",

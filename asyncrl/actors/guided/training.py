@@ -23,7 +23,6 @@ of a full_turn sample is then at most max_prompt_length + max_response_length by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from asyncrl.actors.guided.conversation import Conversation
 
-__all__ = ["TrainingSample", "build_training_sample", "sample_metadata", "group_metrics"]
+__all__ = ["TrainingSample", "build_training_sample", "sample_metadata"]
 
 
 @dataclass(frozen=True)
@@ -130,27 +129,3 @@ def sample_metadata(conversation: Conversation, *, include_text: bool = False) -
         meta["messages"] = conv.messages()
         meta["verifier_texts"] = [t.verifier_text for t in conv.turns]
     return meta
-
-
-FINISH_REASONS = ("verifier_stop", "max_turns", "verifier_error", "length")
-
-
-def group_metrics(conversations: Sequence[Conversation]) -> dict[str, float]:
-    """Means over one group, named for the `rollout/` namespace: turns, finish-reason fractions,
-    verifier errors, hallucination score, and the fraction of distinct final responses (a
-    collapsed group, e.g. from shared seeds (docs/guided_grpo.md#bug-shared-seed), scores low)."""
-    convs = list(conversations)
-    if not convs:
-        return {}
-    n = float(len(convs))
-    finals = {tuple(c.turns[-1].token_ids) if c.turns else () for c in convs}
-    out = {
-        "rollout/num_turns": sum(c.num_turns for c in convs) / n,
-        "rollout/unique_final_fraction": len(finals) / n,
-        "rollout/verifier_errors": sum(c.verifier_errors for c in convs) / n,
-        "rollout/hallucination_score": sum(c.hallucination_score for c in convs) / n,
-        "rollout/has_final_answer": sum(bool(c.turns and c.turns[-1].has_final_answer) for c in convs) / n,
-    }
-    for reason in FINISH_REASONS:
-        out[f"rollout/finish_{reason}"] = sum(c.finish_reason == reason for c in convs) / n
-    return out
