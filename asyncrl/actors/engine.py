@@ -433,6 +433,8 @@ class PolicyEngine:
         async with self._update_lock:
             t0 = time.perf_counter()
             member = self.weight_member_ids(prefix)[0]
+            for stale in [k for k in self._adapter_receivers if k[0] != address]:  # a rebuilt learner's old sender
+                self._adapter_receivers.pop(stale).close()
             rx = self._adapter_receivers.get((address, member))
             if rx is None:
                 rx = await asyncio.to_thread(WeightReceiver, address, member, timeout_s)

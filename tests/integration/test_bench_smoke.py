@@ -54,6 +54,8 @@ def test_weight_sync_smoke(tmp_path: Path) -> None:
     # ratio = flat seconds / our seconds of one of the measured cases
     assert any(r["ratio"] == pytest.approx(c["flat_s"] / c["ours_s"]) for c in r["cases"])
     assert r["ratio_min"] <= r["ratio"] and r["ratio_min"] > 0
+    lora = [c for c in r["lora"] if "full_s" in c]  # LoRA: the adapter of the same model, same run
+    assert lora and all(0 < c["bytes_ratio"] < 1 and c["adapter_wire_s"] > 0 for c in lora)
 
 
 def test_learner_smoke(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ Proves:
 - what travels is the adapter alone (bytes = the lora_A/lora_B matrices, not the model);
 - at most `keep` versions stay loaded in vLLM, and unloaded versions' files are gone one load later;
 - an engine that missed versions catches up from the WeightStore's copy of the adapter;
+- a round whose adapter arrives corrupted (fingerprint) is refused and healed from the store;
 - an update while requests run is taken in flight: each response's tokens carry the version of the
   adapter that sampled them (old, then new), and both parts match the learner at that version.
 """
@@ -88,7 +89,8 @@ def stack(tmp_path_factory):
         sender.flush()
         return {"report": box["r"], "engine": res}
 
-    yield type("Stack", (), dict(worker=worker, engine=engine, lt=lt, path=path, sync=staticmethod(train_and_sync)))
+    yield type("Stack", (), dict(worker=worker, engine=engine, lt=lt, path=path, sender=sender,
+                                 sync=staticmethod(train_and_sync)))
     sender.close()
     engine.shutdown()
     lt.loop.call_soon_threadsafe(lt.loop.stop)
@@ -193,3 +195,21 @@ def test_in_flight_update_stamps_both_versions(stack):
     s.worker.engine.module.train()
     print(f"\nin-flight adapter update: switched after {switches} of 200 tokens")
     assert any(0 < k < 200 for k in switches)
+
+
+def test_corrupted_adapter_round_is_refused_then_healed_from_the_store(stack):
+    # the wire fingerprint covers the adapter: one flipped element fails the round, the engine
+    # keeps serving its current adapter, and the store's copy (published by the same broadcast)
+    # brings it to the new version, as the rollout actor does after a failed round
+    s = stack
+    before = s.engine.version
+    [rx] = [r for (addr, _), r in s.engine._adapter_receivers.items() if addr == s.sender.address]
+    rx.fault = "corrupt_wire"
+    out = s.sync()
+    assert out["engine"]["status"] == "failed" and out["engine"]["fingerprint_mismatch"] == 1
+    assert s.engine.version == before
+    res = s.lt.run(s.engine.load_weights_from_store())
+    assert res["status"] == "ok" and s.engine.version == s.worker.version == before + 1
+    diff = _max_diff(_policy(s.worker), _sample(s, 4, seed0=3))
+    s.worker.engine.module.train()
+    assert diff < 1e-4
