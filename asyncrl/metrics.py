@@ -133,6 +133,34 @@ def progress_every(max_steps: int, lines: int = 25) -> int:
     return max(1, max_steps // max(1, lines))
 
 
+class ProgressDisplay:
+    """The console's view of the loop: a progress bar on a terminal, else a line per step for the
+    first 5 steps, the last, and about 25 in between (`progress_every`). Every step is in metrics.jsonl."""
+
+    def __init__(self, max_steps: int, start: int, stream: Any):
+        self.max_steps = max_steps
+        self.every = progress_every(max_steps)
+        self.bar = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start, desc="train", dynamic_ncols=True, file=stream)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        from asyncrl.startup import say
+
+        line = format_console(step, self.max_steps, metrics)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(line.split(" | ", 1)[-1])
+        elif step % self.every == 0 or step <= 5 or step == self.max_steps:
+            say(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def format_console(step: int, max_steps: int, m: dict[str, Any]) -> str:
     """One plain log line (used when stdout is not a terminal)."""
     parts = [f"step {step}/{max_steps}"]

@@ -23,6 +23,16 @@ STATUS_KEYS = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "r
                "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
 
 
+def job_status(cfg: Any, fleet: Any, run_dir: Path, step: int, version: int, metrics: dict[str, Any], *,
+               elapsed_s: float, eta_s: float | None) -> dict[str, Any]:
+    """The status of a job after a learner step (`metrics`: that step's row)."""
+    return {"step": step, "max_steps": cfg.trainer.max_steps, "rollout_actors": sorted(fleet.actors),
+            "verifier_version": cfg.verifier.version, "run_dir": str(run_dir),
+            "latest": {k: metrics[k] for k in STATUS_KEYS if k in metrics}, "version": version,
+            "elapsed_s": elapsed_s, "eta_s": eta_s, "actors": fleet.status(), "pid": os.getpid(),
+            "updated": time.time()}
+
+
 def write_status(run_dir: str | Path, status: dict[str, Any]) -> Path:
     path = Path(run_dir) / STATUS_FILE
     tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.tmp")

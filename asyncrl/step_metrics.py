@@ -39,29 +39,52 @@ def batch_metrics(metas: list[dict[str, Any]], lags: list[int], max_staleness: i
     return out
 
 
-def step_perf(*, wait_s: float, train_s: float, sync_s: float, policy_tokens: int, batch_bytes: float,
-              driver_bytes: float, actors: int, sync: dict[str, Any]) -> dict[str, Any]:
+class StepClock:
     """The step's phases as the driver timed them (batch wait, learner, weight sync) and what went
-    through: `perf/policy_tokens` are the batch's policy (response) tokens, per step."""
-    step_s = wait_s + train_s + sync_s
-    report = sync.get("report") or {}
-    return {
-        "perf/step_s": step_s,
-        "perf/batch_wait_s": wait_s,
-        "perf/train_s": train_s,
-        "perf/weight_sync_s": sync_s,
-        "perf/weight_broadcast_s": float(report.get("seconds", 0.0)),
-        "perf/learner_idle_ratio": min(1.0, wait_s / max(step_s, 1e-9)),
-        "perf/policy_tokens": policy_tokens,
-        "perf/policy_tokens_per_s": policy_tokens / max(step_s, 1e-9),
-        "perf/batch_bytes": batch_bytes,
-        "perf/driver_bytes": driver_bytes,
-        "perf/rollout_actors": actors,
-        "perf/weight_sync_dropped": len(sync.get("dropped", [])),
-        # parameters whose sampled fingerprint differed after a load (each was re-fed from the store)
-        "weights/fingerprint_mismatch": sum(int(r.get("fingerprint_mismatch") or 0)
-                                            for r in (sync.get("actors") or {}).values() if isinstance(r, dict)),
-    }
+    through, as `perf/` keys; and the run's totals of the same (summary.json)."""
+
+    def __init__(self) -> None:
+        self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+        self.driver_bytes_seen = 0  # Group/Sample bytes through this process's codec, at the previous step
+
+    def perf(self, metas: list[dict[str, Any]], *, wait_s: float, train_s: float, sync_s: float,
+             sync: dict[str, Any], actors: int) -> dict[str, Any]:
+        """`perf/policy_tokens` are the batch's policy (response) tokens, per step."""
+        from asyncrl.protocol import codec_counts
+
+        tokens = int(sum(sum(m["tokens"]) for m in metas))
+        for key, value in (("learner_wait_s", wait_s), ("train_s", train_s), ("sync_s", sync_s),
+                           ("trained_tokens", tokens)):
+            self.totals[key] += value
+        codec = codec_counts()  # sample bytes encoded or decoded by this (driver) process: 0 by design
+        driver_bytes = codec["encoded_bytes"] + codec["decoded_bytes"]
+        delta, self.driver_bytes_seen = driver_bytes - self.driver_bytes_seen, driver_bytes
+        step_s = wait_s + train_s + sync_s
+        report = sync.get("report") or {}
+        return {
+            "perf/step_s": step_s,
+            "perf/batch_wait_s": wait_s,
+            "perf/train_s": train_s,
+            "perf/weight_sync_s": sync_s,
+            "perf/weight_broadcast_s": float(report.get("seconds", 0.0)),
+            "perf/learner_idle_ratio": min(1.0, wait_s / max(step_s, 1e-9)),
+            "perf/policy_tokens": tokens,
+            "perf/policy_tokens_per_s": tokens / max(step_s, 1e-9),
+            "perf/batch_bytes": float(sum(m["bytes"] for m in metas)),
+            "perf/driver_bytes": float(delta),
+            "perf/rollout_actors": actors,
+            "perf/weight_sync_dropped": len(sync.get("dropped", [])),
+            # parameters whose sampled fingerprint differed after a load (each was re-fed from the store)
+            "weights/fingerprint_mismatch": sum(int(r.get("fingerprint_mismatch") or 0)
+                                                for r in (sync.get("actors") or {}).values() if isinstance(r, dict)),
+        }
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        """The run's totals for summary.json."""
+        t = self.totals
+        return {"wall_s": wall_s, "trained_tokens": t["trained_tokens"],
+                "trained_tokens_per_s": t["trained_tokens"] / max(wall_s, 1e-9),
+                "learner_wait_s": t["learner_wait_s"], "train_s": t["train_s"], "weight_sync_s": t["sync_s"]}
 
 
 class GroupLengths:

@@ -16,7 +16,6 @@ for the learner: it is paced only by the buffer's admission tickets (staleness b
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,10 +24,10 @@ from asyncrl.config import Config, VerifierConfig
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
 from asyncrl.job_checkpoint import write_job_checkpoint
 from asyncrl.logs import console
-from asyncrl.metrics import MetricLogger, format_console, progress_every
+from asyncrl.metrics import MetricLogger, ProgressDisplay
 from asyncrl.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
 from asyncrl.startup import say
-from asyncrl.step_metrics import GroupLengths, batch_metrics, step_perf
+from asyncrl.step_metrics import GroupLengths, StepClock, batch_metrics
 from asyncrl.topology import Topology
 
 if TYPE_CHECKING:
@@ -39,6 +38,8 @@ if TYPE_CHECKING:
 
 
 class Trainer:
+    """The loop over a built topology; every piece of its state is set here, in `__init__`."""
+
     def __init__(self, cfg: Config, topo: Topology, run_dir: Path, stop: StopFlag, resume: Path | None):
         assert topo.fleet is not None and topo.learner is not None, "a built topology"
         self.cfg, self.topo, self.run_dir, self.stop, self.resume = cfg, topo, run_dir, stop, resume
@@ -53,12 +54,11 @@ class Trainer:
         self.learner_recovery = LearnerRecovery(cfg, topo, self.fleet, run_dir)
         self.services = ServiceWatch(cfg, topo)
         self.lengths = GroupLengths()
-        self.summary: dict[str, Any] = {}  # the evaluations before/after and the run's totals (summary.json)
-        self.totals = {"trained_tokens": 0, "learner_wait_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+        self.clock = StepClock()
+        self.summary: dict[str, Any] = {}  # the evaluations before/after (summary.json)
         self.duplicates_dropped = 0  # groups re-delivered across a buffer restart, dropped
         self.stop_requested_by_ctl = False
         self.last_batch_version: int | None = None  # version that trained the latest batch (None: no batch yet)
-        self.driver_bytes_seen = 0  # Group/Sample bytes through this process's codec, at the previous step
         if resume is not None:
             mark_resume(run_dir, step, resume)
         self.t_start = time.time()
@@ -82,12 +82,7 @@ class Trainer:
         if cfg.trainer.eval_before_after and cfg.data.test_files and self.resume is None:
             self.summary["before"] = self.evaluate("test", tag="before")
         self.fleet.start_loops()
-        bar = None
-        if console().isatty():
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.trainer.max_steps, initial=self.step, desc="train", dynamic_ncols=True, file=console())
-        every = progress_every(cfg.trainer.max_steps)
+        shown = ProgressDisplay(cfg.trainer.max_steps, self.step, console())
         self.t_loop = time.time()
         while self.step < cfg.trainer.max_steps and not self.stop.requested and not self.stop_requested_by_ctl:
             try:
@@ -101,15 +96,9 @@ class Trainer:
             self.progress.step += 1
             self.fleet.forget_failures()  # a trained step: earlier failures were not a persistent fault
             self.logger.log(self.step, metrics)
-            line = format_console(self.step, cfg.trainer.max_steps, metrics)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(line.split(" | ", 1)[-1])
-            elif self.step % every == 0 or self.step <= 5 or self.step == cfg.trainer.max_steps:
-                say(line)
+            shown.step(self.step, metrics)
             self.after_step(metrics)
-        if bar is not None:
-            bar.close()
+        shown.close()
         # Graceful end: no new groups; what is in flight is abandoned and re-issued on resume.
         ray.get(self.topo.coordinator.set_stopping.remote())
         self.fleet.stop_loops()
@@ -168,28 +157,12 @@ class Trainer:
         self.lengths.add(metas, dropped_lengths)
         metrics.update({**reconciled, **self.lengths.metrics(), **self.fleet.stats(), **batch,
                         "train/duplicates_dropped": float(self.duplicates_dropped),
-                        **self.perf(metas, t_batch - t0, t1 - t_batch, t2 - t1, sync)})
+                        **self.clock.perf(metas, wait_s=t_batch - t0, train_s=t1 - t_batch, sync_s=t2 - t1, sync=sync,
+                                          actors=len(self.fleet))})
         for aid in sync.get("dropped", []):
             say(f"weight sync watchdog dropped {aid}; it catches up from the weight store")
         progress.pending_row = None
         return metrics
-
-    def perf(self, metas: list[dict[str, Any]], wait_s: float, train_s: float, sync_s: float,
-             sync: dict[str, Any]) -> dict[str, Any]:
-        """The step's `perf/` keys, and the run's totals (summary.json) advanced by them."""
-        from asyncrl.protocol import codec_counts
-
-        tokens = int(sum(sum(m["tokens"]) for m in metas))
-        for key, value in (("learner_wait_s", wait_s), ("train_s", train_s), ("sync_s", sync_s),
-                           ("trained_tokens", tokens)):
-            self.totals[key] += value
-        codec = codec_counts()  # sample bytes encoded or decoded by this (driver) process: 0 by design
-        driver_bytes = codec["encoded_bytes"] + codec["decoded_bytes"]
-        out = step_perf(wait_s=wait_s, train_s=train_s, sync_s=sync_s, policy_tokens=tokens,
-                        batch_bytes=float(sum(m["bytes"] for m in metas)),
-                        driver_bytes=float(driver_bytes - self.driver_bytes_seen), actors=len(self.fleet), sync=sync)
-        self.driver_bytes_seen = driver_bytes
-        return out
 
     def get_batch(self, num_groups: int, timeout_s: float) -> list[dict[str, Any]]:
         """Metadata of exactly `num_groups` groups for the current version, fetched by learner rank 0
@@ -218,17 +191,12 @@ class Trainer:
     def publish_status(self, m: dict[str, Any]) -> None:
         """What `asyncrl.ctl status` prints: held by the coordinator (`--live`) and written to
         `<run_dir>/status.json` (asyncrl.status), which ctl reads without joining Ray."""
-        from asyncrl.status import STATUS_KEYS, write_status
+        from asyncrl.status import job_status, write_status
 
         steps_here = self.step - self.first_step
-        per_step = (time.time() - self.t_loop) / max(steps_here, 1)
-        status = {
-            "step": self.step, "max_steps": self.cfg.trainer.max_steps, "rollout_actors": sorted(self.fleet.actors),
-            "verifier_version": self.cfg.verifier.version, "run_dir": str(self.run_dir),
-            "latest": {k: m[k] for k in STATUS_KEYS if k in m}, "version": self.version,
-            "elapsed_s": time.time() - self.t_start,
-            "eta_s": per_step * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None,
-            "actors": self.fleet.status(), "pid": os.getpid(), "updated": time.time()}
+        eta = (time.time() - self.t_loop) / steps_here * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None
+        status = job_status(self.cfg, self.fleet, self.run_dir, self.step, self.version, m,
+                            elapsed_s=time.time() - self.t_start, eta_s=eta)
         self.topo.coordinator.set_status.remote(status)
         write_status(self.run_dir, status)
 
@@ -245,12 +213,8 @@ class Trainer:
 
     def run_summary(self) -> dict[str, Any]:
         """summary.json: the evaluations before/after and the run's totals."""
-        wall = time.time() - self.t_start
-        return {**self.summary, "steps": self.step, "version": self.version, "wall_s": wall,
-                "trained_tokens": self.totals["trained_tokens"],
-                "trained_tokens_per_s": self.totals["trained_tokens"] / max(wall, 1e-9),
-                "learner_wait_s": self.totals["learner_wait_s"], "train_s": self.totals["train_s"],
-                "weight_sync_s": self.totals["sync_s"]}
+        return {**self.summary, "steps": self.step, "version": self.version,
+                **self.clock.summary(time.time() - self.t_start)}
 
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
         return evaluate_on_fleet(self.cfg, self.fleet, self.version, self.run_dir, split, tag)
