@@ -741,6 +741,9 @@ def _init_one_rank(deepspeed: Any, dev: torch.device) -> None:
     for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(k, v)
     if not torch.distributed.is_initialized():
+        from asyncrl.learner.ops import pin_toolchain
+
+        pin_toolchain()  # the CPU dry run builds DeepSpeed's comm op with the learner's ninja: no rebuild
         deepspeed.init_distributed(dist_backend="gloo" if dev.type == "cpu" else "nccl", auto_mpi_discovery=False)
 
 
