@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.sections import Section
 
@@ -352,10 +352,11 @@ class OptimConfig(Section):
 
 
 class OffPolicyConfig(Section):
-    mode: Literal["none", "bypass", "tis", "mis", "rs", "seq_tis", "seq_mis", "seq_rs", "decoupled"] = "tis"
+    mode: Literal["none", "bypass", "tis", "mis", "rs", "seq_tis", "seq_mis", "seq_rs", "decoupled", "m2po"] = "tis"
     """Correction between behaviour (engine) and proximal (learner at step start) policies, weight w
     of r = pi_prox/mu: tis min(r, cap); mis (masked IS) r * 1[low <= r <= high]; rs (rejection only)
-    1[low <= r <= high]; seq_* the same on the sequence ratio (`seq_ratio`); decoupled r * 1[r <= cap]."""
+    1[low <= r <= high]; seq_* the same on the sequence ratio (`seq_ratio`); decoupled r * 1[r <= cap];
+    m2po r * M, M masking the largest (log r)^2 until their mean is <= `m2po_tau` (M2PO)."""
     cap: float = Field(2.0, gt=0)
     """tis/seq_tis: upper clamp C of the importance weight; decoupled: tokens whose pi_prox/mu
     exceeds it get weight 0 (AReaL's behav_imp_weight_cap; AReaL uses 5)."""
@@ -367,6 +368,37 @@ class OffPolicyConfig(Section):
     """seq_tis/seq_mis/seq_rs: the sequence ratio. geometric_mean = exp(mean_t log r_t) (AReaL's
     choice: a bound means the same for short and long sequences); product = prod_t r_t (the exact
     sequence importance weight, as verl and TRL define sequence-level TIS; its spread grows with length)."""
+    m2po_tau: float = Field(0.04, gt=0)
+    """m2po: budget of the mean (log pi_prox/mu)^2 over a micro-batch's trained tokens (the M2PO
+    paper's default 0.04); logged: `train/m2po_masked_frac`."""
+    seq_kl_budget: float | None = Field(None, gt=0)
+    """Drift masking (any weighting mode but none/bypass): a sequence whose mean k3 estimate of
+    KL(mu || pi_prox) per token exceeds this gets weight 0 on every token (null = off); logged:
+    `train/drift_masked_frac`. The previous round measured 0.004-0.012 at lag 1, 0.03-0.09 at lag 4."""
+    lag_decay: float = Field(1.0, gt=0, le=1)
+    """Per-group down-weighting by lag: a group's advantages are multiplied by lag_decay^lag, lag =
+    versions between the group's oldest token and the trained version (1.0 = off); logged:
+    `train/lag_weight_mean`."""
+    lr_scale: Literal["none", "ess", "lag"] = "none"
+    """Scale each optimizer step's learning rate: `ess` by the normalised effective sample size
+    (mean w)^2 / mean(w^2) of the step's correction weights (VCPO); `lag` by 1 / (1 + mean lag
+    per token) (the step size shrinking like 1/staleness); logged: `train/lr_scale`."""
+    lr_scale_min: float = Field(0.1, gt=0, le=1)
+    """Floor of the learning-rate scale (one degenerate batch must not stall training)."""
+
+    @model_validator(mode="after")
+    def _composable(self) -> OffPolicyConfig:
+        """Refuse by name the combinations that would silently do nothing."""
+        problems = []
+        if self.lr_scale == "ess" and self.mode in ("none", "bypass"):
+            problems.append(f"learner.off_policy.lr_scale=ess needs correction weights, but off_policy.mode={self.mode} "
+                            "weights every token by 1 (ESS is always 1): use tis, decoupled, mis, m2po...")
+        if self.seq_kl_budget is not None and self.mode in ("none", "bypass"):
+            problems.append(f"learner.off_policy.seq_kl_budget needs pi_prox and the behaviour log-probs, which "
+                            f"off_policy.mode={self.mode} does not weigh: use tis, decoupled, mis, m2po...")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class KLConfig(Section):

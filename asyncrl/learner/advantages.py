@@ -58,6 +58,7 @@ __all__ = [
     "scores_to_token_rewards",
     "group_ids",
     "turn_score_advantages",
+    "group_lag_weights",
     "turn_token_scores",
     "sample_baselines",
     "ESTIMATORS",
@@ -282,3 +283,22 @@ def turn_token_scores(samples: Sequence[Any], shape: tuple[int, int],
             if score is not None:
                 out[i, a:b] = float(score)
     return out
+
+
+def group_lag_weights(token_versions: Tensor, group_index: Tensor, response_mask: Tensor, current_version: int,
+                      decay: float) -> Tensor:
+    """[N] fp32 weight decay^lag_g of every sample, lag_g = current_version minus the OLDEST
+    version among its group's trained tokens (a group is as stale as its stalest token: a
+    multi-turn sample can mix versions). Multiplied into the advantages, it down-weights a stale
+    group as a whole, so the group's baseline stays intact (the advantages keep summing to 0
+    within the group) and the version bound still decides admission. decay = 1 gives 1."""
+    mask = response_mask > 0
+    big = torch.iinfo(torch.int64).max
+    versions = torch.where(mask, token_versions.long(), torch.full_like(token_versions, big, dtype=torch.int64))
+    oldest_per_sample = versions.min(dim=1).values
+    gid = group_ids(group_index, device=token_versions.device)
+    oldest = torch.full((int(gid.max()) + 1 if gid.numel() else 0,), big, dtype=torch.int64, device=gid.device)
+    oldest = oldest.scatter_reduce(0, gid, oldest_per_sample, reduce="amin")
+    group_oldest = oldest[gid]
+    lag = torch.where(group_oldest == big, torch.zeros_like(group_oldest), current_version - group_oldest)
+    return torch.pow(torch.tensor(float(decay)), lag.clamp_min(0).double()).float()

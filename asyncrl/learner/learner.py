@@ -49,6 +49,7 @@ from asyncrl.config import Config
 from asyncrl.learner import checkpoint as ckpt
 from asyncrl.learner.advantages import (
     compute_advantages,
+    group_lag_weights,
     sample_baselines,
     scores_to_token_rewards,
     turn_score_advantages,
@@ -72,6 +73,7 @@ from asyncrl.learner.losses import (
     logprobs_from_logits,
     policy_loss,
     stack_metrics,
+    step_lr_scale,
     sum_metrics,
     unstack_metrics,
 )
@@ -303,6 +305,11 @@ class LearnerWorker:
         prox_s = time.perf_counter() - t_prox
         anchor = logp_prox if logp_prox is not None else flat.behaviour_logprobs
         advantages, extra = self._advantages(flat, anchor, logp_ref, baselines, token_scores)
+        if lc.off_policy.lag_decay < 1.0:  # per-group down-weighting by lag
+            lag_w = group_lag_weights(flat.token_versions, flat.group_index, flat.response_mask, self.version,
+                                      lc.off_policy.lag_decay)
+            advantages, extra["train/lag_weight_mean"] = advantages * lag_w[:, None], float(lag_w.mean())
+        lr_scales: list[float] = []
 
         temp = self.cfg.rollout.temperature
         norm_length = float(lc.norm_length or self.cfg.data.max_response_length)  # Dr.GRPO: a constant budget
@@ -313,6 +320,7 @@ class LearnerWorker:
         padded = micro = 0
         for _epoch in range(lc.ppo_epochs):
             for plan in plans:
+                plan_start = len(metric_parts)
                 my_rows = [i for mb_rows in plan for i in mb_rows]
                 tok, seqs = flat.response_mask[my_rows].sum(), (flat.response_mask[my_rows].sum(1) > 0).sum()
                 glob = self._all_reduce(torch.tensor([float(tok), float(seqs)], dtype=torch.float64))
@@ -338,8 +346,10 @@ class LearnerWorker:
                     metric_parts.append({k: v.detach().cpu() for k, v in m.items()})
                     padded += mb.padded_tokens
                     micro += 1
-                lrs.append(float(self.scheduler.get_last_lr()[0]))
-                applied, norm = self._optimizer_step()
+                scale = self._lr_scale(flat, metric_parts[plan_start:])
+                lr_scales.append(scale)
+                lrs.append(float(self.scheduler.get_last_lr()[0]) * scale)
+                applied, norm = self._scaled_optimizer_step(scale)
                 skipped += 0 if applied else 1
                 if norm is not None and math.isfinite(norm):
                     grad_norms.append(norm)
@@ -351,6 +361,8 @@ class LearnerWorker:
                 kl_now = float(part[0] / max(float(part[1]), 1e-12))
             self.kl_ctl.update(kl_now, flat.num_samples)
 
+        if lc.off_policy.lr_scale != "none":
+            extra["train/lr_scale"] = float(np.mean(lr_scales))
         # metrics: [sum, count] pairs summed over micro-batches and ranks
         summed = self._all_reduce(stack_metrics(sum_metrics(metric_parts)))
         step_s = time.perf_counter() - t0
@@ -368,6 +380,27 @@ class LearnerWorker:
         if mb.is_dummy:
             return torch.zeros_like(mb.response_mask)
         return t[mb.indices, : mb.response_len].to(self.device)
+
+    def _lr_scale(self, flat: FlatBatch, parts: list[dict[str, torch.Tensor]]) -> float:
+        """`off_policy.lr_scale` of one optimizer step from its micro-batches' weight sums (all ranks)."""
+        op = self.lc.off_policy
+        if op.lr_scale == "none":
+            return 1.0
+        summed = sum_metrics(parts)
+        sums = self._all_reduce(torch.stack([summed["train/is_weight_mean"], summed["train/is_weight_sq_mean"]]))
+        return step_lr_scale(op, sums, flat.token_versions, flat.response_mask, self.version)
+
+    def _scaled_optimizer_step(self, scale: float) -> tuple[bool, float | None]:
+        """`_optimizer_step` at lr x scale; after it every group's lr is the scheduler's own again
+        (its new value when the step was applied, the unscaled old one when it was skipped)."""
+        groups = self.scheduler.optimizer.param_groups
+        for g in groups:
+            g["lr"] *= scale
+        try:
+            return self._optimizer_step()
+        finally:
+            for g, lr in zip(groups, self.scheduler.get_last_lr()):
+                g["lr"] = lr
 
     def _optimizer_step(self) -> tuple[bool, float | None]:
         """engine.step() unless the global gradient is non-finite. Returns (applied, grad norm)."""

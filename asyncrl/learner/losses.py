@@ -26,6 +26,12 @@ correction reweights for pi_prox != mu (off-policy lag and engine/learner numeri
    r <= cap, else 0 (AReaL's `behav_imp_weight_cap` filters rather than clamps; the clamped form
    min(r, cap) under a pi/pi_prox clip is exactly `tis`). Masked tokens stay in the normaliser, so
    the global token count is known before the step.
+   `m2po` (M2PO, arXiv 2510.01161) w = r M, M masking the tokens with the largest (log r)^2 until
+   the mean (log r)^2 of the kept ones is <= `m2po_tau` (`m2po_keep`; per call, i.e. per
+   micro-batch). `seq_kl_budget` (any mode but none/bypass) then zeroes every token of a sequence
+   whose mean k3 KL(mu || pi_prox) exceeds it (`drift_keep`). The learner's other two variance
+   controls live outside the loss: `lag_decay` scales a group's advantages
+   (`advantages.group_lag_weights`), `lr_scale` the optimizer step's learning rate (`step_lr_scale`).
 4. loss = agg(w L) + beta agg(kl(logp, logp_ref)) [KL as loss] - entropy_coef agg(H).
 
 Aggregation (`loss_avg_mode`), exact under any micro-batch / rank split when the caller passes
@@ -51,7 +57,9 @@ value is the exact full-batch loss. Departures from the original's metrics: `tra
 original logs "either bound" as `pg_clipfrac_higher` and dual as `pg_clipfrac_lower`);
 `train/entropy` is the true entropy over the vocabulary (`entropy_from_logits`) instead of the
 NLL proxy; `loss/kl` is averaged over micro-batches instead of keeping the last micro-batch's value;
-`train/mismatch_kl` = k3 estimate of KL(mu || pi_prox) on the sampled tokens.
+`train/mismatch_kl` = k3 estimate of KL(mu || pi_prox) on the sampled tokens;
+`train/is_weight_sq_mean` = mean w^2 (with `train/is_weight_mean` the ESS); `train/m2po_masked_frac`,
+`train/drift_masked_frac` the tokens each mask removed (count 0, so not logged, when it is off).
 
 `logprobs_from_logits` / `entropy_from_logits` take logits divided by the rollout temperature
 (as the original) in fp32 row chunks with an analytic backward, so no fp32 [tokens, vocab] copy
@@ -83,6 +91,10 @@ __all__ = [
     "stack_metrics",
     "unstack_metrics",
     "finalize_metrics",
+    "m2po_keep",
+    "drift_keep",
+    "effective_sample_size",
+    "step_lr_scale",
 ]
 
 METRIC_NAMES: tuple[str, ...] = (
@@ -98,6 +110,9 @@ METRIC_NAMES: tuple[str, ...] = (
     "train/is_clipped_frac",
     "train/entropy",
     "train/mismatch_kl",
+    "train/is_weight_sq_mean",
+    "train/m2po_masked_frac",
+    "train/drift_masked_frac",
 )
 _LOG_RATIO_LIMIT = 20.0
 
@@ -257,9 +272,86 @@ def off_policy_weights(
     elif mode == "decoupled":
         keep = raw <= config.cap
         clipped, weight = (~keep).float(), torch.where(keep, raw, torch.zeros_like(raw))
+    elif mode == "m2po":
+        keep_m2 = m2po_keep(log_w, mask, config.m2po_tau)
+        clipped, weight = (1.0 - keep_m2), raw * keep_m2
     else:
         raise ValueError(f"unknown off_policy.mode {mode!r}")
+    if config.seq_kl_budget is not None:  # composes with every weighting mode above
+        seq_keep = drift_keep(logp_proximal, logp_behaviour, mask, config.seq_kl_budget)
+        clipped, weight = torch.maximum(clipped, 1.0 - seq_keep), weight * seq_keep
     return weight * mask, clipped * mask
+
+
+def m2po_keep(log_ratio: Tensor, response_mask: Tensor, tau: float) -> Tensor:
+    """M2PO's second-moment mask, [N, T] fp32 (1 = kept): the trained tokens with the largest
+    (log r)^2 are masked, largest first, until the mean (log r)^2 of the kept ones is <= tau.
+
+    Why a second moment instead of a clip: the mean of (log r)^2 bounds the variance the stale
+    tokens add, while clipping every token past 1 +- eps discards many informative ones (the
+    paper masks ~0.06% where clipping hit 1.2%). Vectorised: sorted descending, the kept set is
+    a suffix; the first suffix whose mean is <= tau decides how many are masked. When no suffix
+    qualifies one token (the smallest) is kept, as AReaL's `get_m2po_loss_mask` does, so a
+    micro-batch never loses every token. The set is this call's tokens (the learner calls per
+    micro-batch), so the budget holds per micro-batch."""
+    m = response_mask > 0
+    sq = log_ratio.detach().double().pow(2)[m]
+    keep = torch.zeros_like(response_mask, dtype=torch.float32)
+    n = sq.numel()
+    if n == 0:
+        return keep
+    order = torch.argsort(sq, descending=True, stable=True)
+    suffix_sum = sq[order].flip(0).cumsum(0).flip(0)
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=torch.float64, device=sq.device)
+    ok = torch.nonzero(suffix_mean <= tau)
+    masked = int(ok[0]) if ok.numel() else n - 1
+    kept = torch.ones(n, dtype=torch.float32, device=sq.device)
+    kept[order[:masked]] = 0.0
+    keep[m] = kept
+    return keep
+
+
+def drift_keep(logp_proximal: Tensor, logp_behaviour: Tensor, response_mask: Tensor, budget: float) -> Tensor:
+    """Sequence-level drift mask, [N, T] fp32: 0 on every token of a sequence whose mean k3
+    estimate of KL(mu || pi_prox) per trained token exceeds `budget`, else 1.
+
+    Why per sequence: stale damage shows in a conversation's summed drift, not in per-token
+    ratios (which average ~1); dropping the whole sequence keeps no half-trained turn."""
+    mask = response_mask.float()
+    d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    k3 = (torch.exp(d) - d - 1.0) * mask
+    per_seq = k3.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+    return (per_seq <= budget).float().expand_as(mask)
+
+
+def effective_sample_size(weight_mean: float, weight_sq_mean: float) -> float:
+    """Normalised effective sample size of importance weights, ESS/n = (mean w)^2 / mean(w^2),
+    in (0, 1]: 1 when every weight is equal, ~k/n when k weights carry the batch (Kong's ESS).
+    1.0 when nothing was weighted (mean w^2 = 0)."""
+    return weight_mean**2 / weight_sq_mean if weight_sq_mean > 0 else 1.0
+
+
+def step_lr_scale(config: OffPolicyConfig, weight_sums: Tensor, token_versions: Tensor, response_mask: Tensor,
+                  version: int) -> float:
+    """Learning-rate factor of one optimizer step (`off_policy.lr_scale`), floored at `lr_scale_min`.
+
+    `weight_sums` = [[sum w, n], [sum w^2, n]] of the step's trained tokens over all ranks (the
+    `train/is_weight_mean` and `train/is_weight_sq_mean` metric pairs). `ess`: (mean w)^2 /
+    mean(w^2) (VCPO: a step whose weights are carried by few tokens moves less); `lag`:
+    1 / (1 + mean lag per trained token), lag = version - token version (stability needs the step
+    size to shrink like 1/staleness). Adam's update is invariant to the loss scale, hence the LR."""
+    if config.lr_scale == "none":
+        return 1.0
+    if config.lr_scale == "ess":
+        n = float(weight_sums[0, 1])
+        if n <= 0:
+            return 1.0
+        raw = effective_sample_size(float(weight_sums[0, 0]) / n, float(weight_sums[1, 0]) / n)
+    else:
+        mask = response_mask.float()
+        lag = ((version - token_versions.float()) * mask).sum() / mask.sum().clamp_min(1.0)
+        raw = 1.0 / (1.0 + max(float(lag), 0.0))
+    return max(raw, config.lr_scale_min)
 
 
 # ------------------------------------------------------------------------------ the loss
@@ -389,8 +481,31 @@ def policy_loss(
         if entropy is not None
         else torch.zeros(2, dtype=torch.float64, device=mask.device),
         "train/mismatch_kl": mismatch,
+        "train/is_weight_sq_mean": tok(weight * weight),
+        **_mask_metrics(logp_proximal, logp_behaviour, mask, config.off_policy),
     }
     return loss, metrics
+
+
+def _mask_metrics(
+    logp_proximal: Tensor | None, logp_behaviour: Tensor | None, mask: Tensor, config: OffPolicyConfig
+) -> dict[str, Tensor]:
+    """Shares of trained tokens masked by M2PO and, separately, by the drift budget, as
+    [sum, count]; count 0 (not logged) when that mode is off. Recomputed from the log-probs
+    (a sort of one micro-batch's tokens) so that each share is that mask's own."""
+    n_tok = mask.sum()
+    off = torch.zeros(2, dtype=torch.float64, device=mask.device)
+    out = {"train/m2po_masked_frac": off, "train/drift_masked_frac": off}
+    if logp_proximal is None or logp_behaviour is None:
+        return out
+    log_w = (logp_proximal.detach().float() - logp_behaviour.detach().float()) * mask
+    if config.mode == "m2po":
+        masked = (1.0 - m2po_keep(log_w, mask, config.m2po_tau)) * mask
+        out["train/m2po_masked_frac"] = torch.stack([masked.sum(), n_tok]).double()
+    if config.seq_kl_budget is not None and config.mode not in ("none", "bypass"):
+        masked = (1.0 - drift_keep(logp_proximal, logp_behaviour, mask, config.seq_kl_budget)) * mask
+        out["train/drift_masked_frac"] = torch.stack([masked.sum(), n_tok]).double()
+    return out
 
 
 # ------------------------------------------------------------------------------ metric helpers
