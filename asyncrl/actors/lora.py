@@ -8,7 +8,8 @@ Guarantees:
   the base model (PEFT starts `lora_B` at zero): no adapter.
 - At most `keep` (= `buffer.max_staleness + 2`) versions stay loaded; older ones are unloaded
   (`remove_lora`) and their directories deleted one load later, so a request that still names an
-  unloaded version (vLLM reloads it from its path) finds its files for one more sync.
+  unloaded version (vLLM reloads it from its path) finds its files for one more sync; the whole
+  directory goes at `close`, or at the next start of the same engine if its process was killed.
 - Loading an adapter does not touch the base weights, so generation never pauses for it; the
   version moves only after the adapter is on disk, read back equal to what arrived (the wire's
   fingerprint samples), and accepted by vLLM.
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ class AdapterSlots:
 
     def __init__(self, llm: Any, engine_id: str, config: dict[str, Any], keep: int) -> None:
         self.llm, self.config, self.keep = llm, config, max(2, int(keep))
-        self.root = Path(tempfile.mkdtemp(prefix=f"asyncrl-lora-{engine_id.replace('/', '_')}-", dir=fast_local_dir()))
+        self.root = adapter_root(engine_id)
         self.version = 0
         self.current: Any = None  # LoRARequest of `version`; None = the base model (version 0)
         self.loaded: list[tuple[int, Any]] = []  # (version, LoRARequest), oldest first
@@ -133,6 +134,24 @@ class AdapterSlots:
             if not switched:
                 return tokens, logprobs, finish, versions
             segment += 1
+
+
+def adapter_root(engine_id: str, base: str | None = None) -> Path:
+    """A fresh directory for this process's adapters, `asyncrl-lora-<engine>-<pid>` under /dev/shm.
+    Directories of the same engine whose process is gone (killed before `close`, e.g. SIGKILL or
+    the OOM killer) are removed first, so a restarted actor does not leak memory-backed files."""
+    import psutil
+
+    base_dir = Path(base or fast_local_dir())
+    stem = f"asyncrl-lora-{engine_id.replace('/', '_')}-"
+    for old in base_dir.glob(f"{stem}*"):
+        pid = old.name.removeprefix(stem)
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    root = base_dir / f"{stem}{os.getpid()}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
 
 
 def _readback_mismatches(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
