@@ -37,6 +37,8 @@ def build_parser(scenario: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--output", default="bench", help="directory for JSON and plots")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for tests")
     parser.add_argument("--full", action="store_true", help="convergence: the full grid (η 0,1,2,4; 200 steps per run)")
+    parser.add_argument("--variance", action="store_true",
+                        help="convergence: η 0,1,2,4,8 x decoupled and the variance-controlling modes (issue 31's grid)")
     add_config_args(parser)
     return parser
 

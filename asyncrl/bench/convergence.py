@@ -32,6 +32,16 @@ Runs go seed by seed (the first seed's whole grid before the second's), η = 0 f
 `ASYNCRL_BENCH_REUSE=1` takes a cell from its run directory when that holds a finished run of the
 same length (an interrupted grid continues where it stopped; the figures are re-derived);
 `ASYNCRL_BENCH_REUSE=only` runs nothing and reports the finished cells (the others as not run).
+
+A mode is an `off_policy.mode`, optionally with `+key=value` overrides of `learner.off_policy`
+(validated, so a refused combination fails by name), e.g. `decoupled+lr_scale=ess`.
+`--variance` is the variance-control grid: η ∈ {0, 1, 2, 4, 8} × `VARIANCE_MODES` × seeds {1, 2},
+the modes after the first (the baseline, `decoupled`) only at `ASYNCRL_BENCH_SECONDARY_STALENESS`
+(default 4,8: where staleness hurts; dropping their η = 1, 2 cells keeps the grid near 2 hours).
+Every cell also reports its mean lag per trained token (`train/version_lag_mean`), drift
+(`train/mismatch_kl`), masked share (`train/is_clipped_frac`: every token the correction zeroed or
+clipped; `train/m2po_masked_frac`, `train/drift_masked_frac`), ESS ((mean w)² / mean w² per step)
+and LR factor (`train/lr_scale`), so a mode that did not hold shows why.
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ ACC = "guided_accuracy"
 # start-up took 1-3 min and a synchronous step 4.3 s on average.
 EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 35.0, 2.3, 0.025
 RETRIES = 1  # a failed run is started once more before the grid moves on
+VARIANCE_MODES = ["decoupled", "m2po", "decoupled+lr_scale=ess", "decoupled+lr_scale=lag",
+                  "decoupled+lag_decay=0.5", "decoupled+seq_kl_budget=0.02"]
+"""`--variance`: the best mode of the previous grid, then one cell per variance control (0.02 sits
+between the drift measured at lag 1, 0.004-0.012, and at lag 4, 0.03-0.09)."""
 
 
 def _env_list(key: str, default: list[Any], cast=int) -> list[Any]:
@@ -61,13 +75,31 @@ def _env_list(key: str, default: list[Any], cast=int) -> list[Any]:
     return [cast(x) for x in raw.split(",") if x.strip()] if raw else list(default)
 
 
-def plan(cfg: Config, full: bool, smoke: bool) -> dict[str, Any]:
+def mode_overrides(spec: str) -> dict[str, Any]:
+    """`learner.off_policy` fields of a mode spec: `m2po` -> {mode: m2po};
+    `decoupled+lr_scale=ess+lag_decay=0.5` -> {mode: decoupled, lr_scale: ess, lag_decay: 0.5}."""
+    base, *extras = spec.split("+")
+    out: dict[str, Any] = {"mode": base}
+    for item in extras:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"mode spec {spec!r}: {item!r} is not key=value (a learner.off_policy field)")
+        out[key] = json.loads(value) if value[:1].isdigit() or value in ("null", "true", "false") else value
+    return out
+
+
+def plan(cfg: Config, full: bool, smoke: bool, variance: bool = False) -> dict[str, Any]:
     """The grid and run size from the env (module doc) and the flags."""
-    staleness = _env_list("ASYNCRL_BENCH_STALENESS", [0, 1] if smoke else [0, 1, 2, 4] if full else [0, 1, 2])
+    grid_default = [0, 1] if smoke else [0, 1, 2, 4, 8] if variance else [0, 1, 2, 4] if full else [0, 1, 2]
+    staleness = _env_list("ASYNCRL_BENCH_STALENESS", grid_default)
     if 0 not in staleness:
         staleness = [0, *staleness]  # the synchronous baseline of every seed
     staleness = [0, *sorted({s for s in staleness if s != 0})]
-    modes = _env_list("ASYNCRL_BENCH_MODES", ["none", "tis"] if smoke else ["none", "tis", "decoupled"], str)
+    modes = _env_list("ASYNCRL_BENCH_MODES", ["none", "tis"] if smoke else VARIANCE_MODES if variance
+                      else ["none", "tis", "decoupled"], str)
+    for spec in modes:
+        mode_overrides(spec)  # a malformed spec fails before any run
+    secondary = _env_list("ASYNCRL_BENCH_SECONDARY_STALENESS", [4, 8] if variance else [])
     seeds = _env_list("ASYNCRL_BENCH_SEEDS", [1] if smoke else [1, 2])
     steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 2 if smoke else 200 if full else 100))
     eval_every = int(os.environ.get("ASYNCRL_BENCH_EVAL_EVERY", 1 if smoke else 20 if full else 10))
@@ -77,10 +109,13 @@ def plan(cfg: Config, full: bool, smoke: bool) -> dict[str, Any]:
     runs = []
     for seed in seeds:
         for eta in staleness:
-            for mode in modes if (eta > 0 or all_modes_sync) else [cfg.learner.off_policy.mode]:
+            for i, mode in enumerate(modes if (eta > 0 or all_modes_sync) else [cfg.learner.off_policy.mode]):
+                if eta > 0 and i > 0 and secondary and eta not in secondary:
+                    continue
                 runs.append({"seed": seed, "max_staleness": eta, "mode": mode})
     return {"staleness": staleness, "modes": modes, "seeds": seeds, "steps": steps, "eval_every": eval_every,
-            "val_rows": val_rows, "test_rows": test_rows, "sync_all_modes": all_modes_sync, "runs": runs}
+            "val_rows": val_rows, "test_rows": test_rows, "sync_all_modes": all_modes_sync,
+            "secondary_staleness": secondary, "runs": runs}
 
 
 def estimate_s(p: dict[str, Any], test_rows_total: int) -> float:
@@ -108,7 +143,8 @@ def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: st
 
     c = cfg.model_copy(deep=True)
     c.buffer.max_staleness = cell["max_staleness"]
-    c.learner.off_policy.mode = cell["mode"]
+    c.learner.off_policy = type(c.learner.off_policy).model_validate(
+        {**c.learner.off_policy.model_dump(), **mode_overrides(cell["mode"])})
     c.data.seed = c.rollout.seed = c.trainer.seed = cell["seed"]
     c.data.val_files = val_files
     c.trainer.max_steps = p["steps"]
@@ -118,8 +154,9 @@ def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: st
     c.trainer.save_every = -1
     c.trainer.logger = ["jsonl"]
     c.trainer.resume = "never"
+    tag = cell["mode"].replace("+", "-").replace("=", "")
     c.trainer.experiment_name = (f"{cfg.trainer.experiment_name}-convergence-s{cell['max_staleness']}"
-                                 f"-{cell['mode']}-seed{cell['seed']}")
+                                 f"-{tag}-seed{cell['seed']}")
     run_dir = c.run_path
     t0 = time.time()
     reuse = os.environ.get("ASYNCRL_BENCH_REUSE", "0")
@@ -188,7 +225,23 @@ def cell_figures(rows: list[dict[str, Any]], summary: dict[str, Any], eval_s: di
                                  if isinstance(train[s].get("train/is_weight_mean"), (int, float))]),
         "trained_tokens_per_s": summary.get("trained_tokens_per_s"),
         "learner_idle_ratio": _mean([train[s].get("perf/learner_idle_ratio", 0.0) for s in steps]),
+        **variance_figures([train[s] for s in steps]),
     }
+
+
+def variance_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over a run's training rows of what explains a cell: lag, drift, masked shares, ESS,
+    LR factor (None where the run did not log the key, e.g. no M2PO)."""
+    def avg(key: str) -> float | None:
+        return _mean([r[key] for r in rows if isinstance(r.get(key), (int, float))])
+
+    ess = [r["train/is_weight_mean"] ** 2 / r["train/is_weight_sq_mean"] for r in rows
+           if isinstance(r.get("train/is_weight_sq_mean"), (int, float)) and r["train/is_weight_sq_mean"] > 0
+           and isinstance(r.get("train/is_weight_mean"), (int, float))]
+    return {"lag_mean": avg("train/version_lag_mean"), "masked_frac": avg("train/is_clipped_frac"),
+            "m2po_masked_frac": avg("train/m2po_masked_frac"), "drift_masked_frac": avg("train/drift_masked_frac"),
+            "ess_mean": _mean(ess), "lr_scale_mean": avg("train/lr_scale"),
+            "lag_weight_mean": avg("train/lag_weight_mean")}
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -241,6 +294,7 @@ def summarize(cells: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any]:
                 "time_to_sync_s": [c["time_to_sync_s"] for c in mine],
                 "steps_per_s_mean": _mean([c["steps_per_s"] for c in mine]),
                 "mismatch_kl_mean": _mean([c["mismatch_kl_mean"] for c in mine if c["mismatch_kl_mean"] is not None]),
+                **{key: _mean([c[key] for c in mine if c.get(key) is not None]) for key in VARIANCE_KEYS},
             })
             if eta == 0 and not p["sync_all_modes"]:
                 break
@@ -248,19 +302,44 @@ def summarize(cells: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any]:
             "failed_cells": len(cells) - len(ok)}
 
 
+VARIANCE_KEYS = ("lag_mean", "masked_frac", "m2po_masked_frac", "drift_masked_frac", "ess_mean", "lr_scale_mean",
+                 "lag_weight_mean")
+
+
 def _fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
 def print_grid(result: dict[str, Any]) -> None:
+    width = max([12, *(len(str(r["mode"])) for r in result["table"])])
     print("\n== convergence (mean over seeds; time ratio = time to the η=0 run's final val accuracy ÷ η=0's) ==")
-    print(f"  {'η':>2} {'mode':<12} {'seeds':<6} {'test acc':>9} {'± se':>6} {'val acc':>8} {'reached':>8} "
-          f"{'time ×':>7} {'steps/s':>8} {'mism.kl':>9}")
+    print(f"  {'η':>2} {'mode':<{width}} {'seeds':<6} {'test acc':>9} {'± se':>6} {'val acc':>8} {'reached':>8} "
+          f"{'time ×':>7} {'steps/s':>8} {'drift':>9} {'lag':>5} {'masked':>8} {'ESS':>6} {'lr ×':>5}")
     for r in result["table"]:
-        print(f"  {r['max_staleness']:>2} {r['mode']:<12} {len(r['seeds']):<6} {_fmt(r['test_accuracy_mean']):>9} "
+        print(f"  {r['max_staleness']:>2} {r['mode']:<{width}} {len(r['seeds']):<6} {_fmt(r['test_accuracy_mean']):>9} "
               f"{_fmt(r['test_accuracy_se_across_seeds']):>6} {_fmt(r['final_val_accuracy_mean']):>8} "
               f"{r['reached_sync']:>8} {_fmt(r['time_to_sync_ratio_mean'], '.2f'):>7} "
-              f"{_fmt(r['steps_per_s_mean']):>8} {_fmt(r['mismatch_kl_mean'], '.2e'):>9}")
+              f"{_fmt(r['steps_per_s_mean']):>8} {_fmt(r['mismatch_kl_mean'], '.2e'):>9} {_fmt(r['lag_mean'], '.2f'):>5} "
+              f"{_fmt(r['masked_frac'], '.2e'):>8} {_fmt(r['ess_mean']):>6} {_fmt(r['lr_scale_mean'], '.2f'):>5}")
+    print_cells(result["cells"], width)
+
+
+def print_cells(cells: list[dict[str, Any]], width: int = 12) -> None:
+    """One line per run: what the seed means hide (a mode that held on one seed only)."""
+    print("\n== per run (drift = KL(mu || pi_prox) per token; masked = tokens the correction zeroed/clipped;"
+          " m2po/drift = the shares those masks removed) ==")
+    print(f"  {'η':>2} {'mode':<{width}} {'seed':>4} {'test acc':>9} {'val acc':>8} {'time ×':>7} {'drift':>9} "
+          f"{'lag':>5} {'masked':>8} {'m2po':>8} {'drift m.':>8} {'ESS':>6} {'lr ×':>5}")
+    for c in cells:
+        if "error" in c:
+            print(f"  {c['max_staleness']:>2} {c['mode']:<{width}} {c['seed']:>4} failed: {c['error'][:80]}")
+            continue
+        print(f"  {c['max_staleness']:>2} {c['mode']:<{width}} {c['seed']:>4} {_fmt(c['test_accuracy']):>9} "
+              f"{_fmt(c['final_val_accuracy']):>8} {_fmt(c.get('time_to_sync_ratio'), '.2f'):>7} "
+              f"{_fmt(c['mismatch_kl_mean'], '.2e'):>9} {_fmt(c.get('lag_mean'), '.2f'):>5} "
+              f"{_fmt(c.get('masked_frac'), '.2e'):>8} {_fmt(c.get('m2po_masked_frac'), '.2e'):>8} "
+              f"{_fmt(c.get('drift_masked_frac'), '.2e'):>8} {_fmt(c.get('ess_mean')):>6} "
+              f"{_fmt(c.get('lr_scale_mean'), '.2f'):>5}")
 
 
 def run(cfg: Config, args) -> dict[str, Any]:
@@ -268,7 +347,7 @@ def run(cfg: Config, args) -> dict[str, Any]:
 
     smoke, full = getattr(args, "smoke", False), getattr(args, "full", False)
     out = Path(getattr(args, "output", "bench"))
-    p = plan(cfg, full, smoke)
+    p = plan(cfg, full, smoke, variance=getattr(args, "variance", False))
     test_total = len(load_rows(cfg.data.test_files, cfg.data)) if cfg.data.test_files else 0
     est = estimate_s(p, test_total)
     print_table("convergence plan", [
@@ -276,6 +355,7 @@ def run(cfg: Config, args) -> dict[str, Any]:
         ("seeds", str(p["seeds"])), ("steps per run", p["steps"]), ("val eval every", p["eval_every"]),
         ("val rows", p["val_rows"] or "all"), ("test rows", p["test_rows"] or test_total),
         ("η=0 runs", "every mode" if p["sync_all_modes"] else f"one per seed ({cfg.learner.off_policy.mode})"),
+        ("modes after the first at η", str(p["secondary_staleness"] or "every η")),
         ("estimated total", f"{est / 60:.0f} min (idle 2-core machine; slower when loaded)")])
     val_files = _val_subset(cfg, p["val_rows"], out)
     cells: list[dict[str, Any]] = []
@@ -333,7 +413,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
         return [c for c in cells if c["max_staleness"] == key[0] and (key[1] == "sync" or c["mode"] == key[1])]
 
     colors = {"sync": "black", "none": "C3", "tis": "C0", "decoupled": "C2", "mis": "C1", "rs": "C4"}
-    styles = {0: "-", 1: "--", 2: ":", 4: "-."}
+    styles = {0: "-", 1: "--", 2: ":", 4: "-.", 8: (0, (3, 1, 1, 1))}
     fig, ax = plt.subplots(2, 3, figsize=(14, 7.5))
     for key in keys:
         cs = members(key)

@@ -106,6 +106,34 @@ def test_time_to_sync_accuracy_and_seed_averages() -> None:
     cv.print_grid(r)
 
 
+def test_variance_grid_plan_and_mode_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("ASYNCRL_BENCH_")]:
+        monkeypatch.delenv(key)
+    p = cv.plan(Config(), full=False, smoke=False, variance=True)
+    # per seed: η = 0 once, decoupled at η 1, 2, 4, 8, each of the 5 other modes at η 4 and 8 -> 1 + 4 + 10
+    assert p["staleness"] == [0, 1, 2, 4, 8] and p["modes"] == cv.VARIANCE_MODES
+    assert len(p["runs"]) == 2 * (1 + 4 + 5 * 2)
+    assert {r["max_staleness"] for r in p["runs"] if r["mode"] == "m2po"} == {4, 8}
+    assert cv.mode_overrides("decoupled+lr_scale=ess+lag_decay=0.5") == {"mode": "decoupled", "lr_scale": "ess",
+                                                                          "lag_decay": 0.5}
+    assert cv.mode_overrides("m2po") == {"mode": "m2po"}
+    monkeypatch.setenv("ASYNCRL_BENCH_MODES", "decoupled,tis+cap")
+    with pytest.raises(ValueError, match="'cap' is not key=value"):
+        cv.plan(Config(), full=False, smoke=False)
+
+
+def test_variance_figures_explain_a_cell() -> None:
+    # two steps: ESS per step = (mean w)^2 / mean w^2: 0.9^2 / 0.9 = 0.9 and 1 / 1 = 1 -> mean 0.95
+    rows = [{"train/version_lag_mean": 3.0, "train/is_clipped_frac": 0.1, "train/m2po_masked_frac": 0.02,
+             "train/is_weight_mean": 0.9, "train/is_weight_sq_mean": 0.9, "train/lr_scale": 0.5},
+            {"train/version_lag_mean": 5.0, "train/is_clipped_frac": 0.3, "train/m2po_masked_frac": 0.04,
+             "train/is_weight_mean": 1.0, "train/is_weight_sq_mean": 1.0, "train/lr_scale": 0.7}]
+    f = cv.variance_figures(rows)
+    assert f["lag_mean"] == pytest.approx(4.0) and f["masked_frac"] == pytest.approx(0.2)
+    assert f["m2po_masked_frac"] == pytest.approx(0.03) and f["ess_mean"] == pytest.approx(0.95)
+    assert f["lr_scale_mean"] == pytest.approx(0.6) and f["drift_masked_frac"] is None
+
+
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path: Path) -> None:
     """The command on the real system: η 0 and 1 (tis), 2 learner steps each, 8 val/test rows."""
