@@ -21,29 +21,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import LoopThread, wordlevel_chatml_tokenizer
 
 pytestmark = pytest.mark.integration
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]  # <|im_start|> user \n 3 + 5 <|im_end|> \n <|im_start|> assistant \n
 QUICKSTART = Path(__file__).resolve().parents[2] / "assets" / "tiny-policy"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tiny_qwen(path: Path, *, tie: bool = False, seed: int = 0) -> Path:
     """A 2-layer Qwen2 (hidden 64) with a small ChatML WordLevel tokenizer, saved for HF + vLLM."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     words = ["user", "assistant", "system", "\n", "+", "=", "?", "the", "answer", "is"] + [str(i) for i in range(40)]
-    vocab = {w: i for i, w in enumerate(special + ["<unk>"] + words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", additional_special_tokens=special[1:])
-    fast.chat_template = CHATML
+    fast = wordlevel_chatml_tokenizer(words)
+    vocab = fast.get_vocab()
     fast.save_pretrained(path)
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -75,18 +68,6 @@ def perturbed(model, scale: float, seed: int):
         for p in new.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return new
-
-
-class LoopThread:
-    """One event loop for the module (vLLM's AsyncLLM binds to the loop that first uses it)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
 @pytest.fixture(scope="module", params=["extension", "native"])

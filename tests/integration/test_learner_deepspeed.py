@@ -152,7 +152,7 @@ def test_recomputed_proximal_matches_training_forward(model_dir: str, two_ranks,
 
 
 def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_path) -> None:
-    """Rank 0's WeightSender (section 3) fed by the ZeRO-3 bucketed export of a 2-rank job delivers
+    """Rank 0's WeightSender (the learner's side of the weight wire) fed by the ZeRO-3 bucketed export of a 2-rank job delivers
     exactly the learner's full parameters, as the current version, to a receiver (here a thread of
     this process), in several buckets."""
     import threading

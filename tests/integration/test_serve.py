@@ -1,7 +1,7 @@
 """Verifier service on real Ray Serve, with the quick-start rule back-end, over real HTTP on 127.0.0.1.
 
 Proves: the official `openai` client and a raw httpx POST of Guided-GRPO's exact request body
-(GUIDED_GRPO.md §3.2) get well-formed OpenAI replies whose content is exactly the rule verifier's
+(the JSON its verifier client POSTs: model, messages, sampling fields) get well-formed OpenAI replies whose content is exactly the rule verifier's
 answer to those messages, stamped with the version label; `/v1/models` and `/health` answer; with
 an API key, requests without it get 401; malformed bodies get 400 with a message naming the field
 and the service keeps serving; a repeated request id gets the same reply; the `http` back-end
@@ -118,7 +118,7 @@ def test_api_key_required(service):
     ({**ORIGINAL_BODY, "top_p": 0}, "top_p"),
     ({**ORIGINAL_BODY, "stream": True}, "stream"),
     ({**ORIGINAL_BODY, "n": 4}, "n"),
-    ({**ORIGINAL_BODY, "messages": [{"role": "user", "content": "hi"}]}, "cannot read"),  # not the 1.9 layout
+    ({**ORIGINAL_BODY, "messages": [{"role": "user", "content": "hi"}]}, "cannot read"),  # not the verifier-request layout
 ])
 def test_malformed_bodies_get_400_and_the_service_stays_up(service, body, field):
     url, headers = service["url"] + "/chat/completions", {**service["headers"], "Content-Type": "application/json"}

@@ -1,8 +1,8 @@
 """The `vllm` verifier back-end on real Ray Serve with vLLM's CPU build and a tiny local model.
 
 Proves: a replica loads the real weights of a locally built 2-layer Qwen2 (ChatML tokenizer) and
-answers the official `openai` client and a raw POST of Guided-GRPO's request body (§3.2, with the
-real default verifier prompt) in the OpenAI shape; sampling comes from the request (temperature 0
+answers the official `openai` client and a raw POST of Guided-GRPO's request body (model, messages and
+sampling fields, with the real default verifier prompt) in the OpenAI shape; sampling comes from the request (temperature 0
 is deterministic; one seed reproduces, across request ids); `max_tokens` is honoured and gives
 finish_reason `length`; a prompt that cannot fit `max_model_len` gets 400 and the engine keeps
 serving; a live swap to a second vLLM version under continuous load loses no request and later
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import wordlevel_chatml_tokenizer
 
 from asyncrl.actors.guided.verifier_io import render_verifier_messages
 from asyncrl.config import VerifierClientConfig, VerifierConfig
@@ -30,8 +31,6 @@ from asyncrl.serve.client import VerifierClient, _percentile
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MESSAGES = render_verifier_messages("Compute 2 + 3 * 4. Show steps.", "14", ["3 * 4 = 12"])
 ORIGINAL_BODY = {"model": "ve", "messages": MESSAGES, "max_tokens": 16, "temperature": 0.2, "top_p": 0.95,
                  "top_k": -1}
@@ -42,18 +41,12 @@ def build_tiny_verifier(path: Path) -> Path:
     """A 2-layer Qwen2 (hidden 128, head_dim 64 - the CPU attention kernels reject 16 -, untied head,
     fp32) with a WordLevel ChatML tokenizer."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     words = ["user", "assistant", "system", "Correct.", "Error:", "###STOP###", "[SCORE]", "Next:", "What", "is",
              "it?", "+", "-", "*", "=", "<think>", "</think>"] + [str(i) for i in range(60)]
-    vocab = {w: i for i, w in enumerate(special + ["<unk>"] + words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", additional_special_tokens=special[1:])
-    fast.chat_template = CHATML
+    fast = wordlevel_chatml_tokenizer(words)
+    vocab = fast.get_vocab()
     fast.save_pretrained(path)
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import LoopThread
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VL = ROOT / "assets/tiny-vl-policy"
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
 @pytest.fixture(scope="module", params=["extension", "native"])

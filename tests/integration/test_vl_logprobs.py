@@ -9,7 +9,7 @@ PIL images every turn (`vision.vllm_prompt`), the verifier answers with guidance
 answers again. Then `build_training_sample` gives the final_turn sample (last prompt + last
 turn) and the full_turn sample (first prompt + turn 1 + user turn + turn 2), and for both the
 transformers log-probs at mask-1 positions must equal vLLM's. Negative control: the same
-recompute with plain 1-D positions (Guided-GRPO's multi-turn bug, 11 item 5) is far off.
+recompute with plain 1-D positions (the multi-turn position bug of Guided-GRPO's recompute) is far off.
 Sampling bias (identical in vLLM and the recompute): placeholders -100 (never sampled, as the
 original), `<|im_end|>` +4.5 so a random model ends its turns within a few tokens.
 One vLLM engine per architecture for the module.

@@ -5,7 +5,7 @@ policy and a scripted verifier):
 - token fidelity: at every turn the context fed to the policy equals the chat template's rendering
   of the conversation so far, and final context + response equals the rendering of the whole
   conversation; policy ids are kept exactly as sampled even when they are not canonical;
-- turn logic of GUIDED_GRPO.md 1.5 (STOP+answer ends, STOP without answer -> continue prompt,
+- the turn logic (STOP+answer ends, STOP without answer -> continue prompt,
   guidance after an answer continues, max_turns, no verifier call after the last turn unless a
   score is needed), finish reasons verifier_stop | max_turns | verifier_error | length;
 - on_error stop | continue | drop_group, verifier_sees_reference, history full | guided_grpo and
@@ -18,8 +18,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from conftest import bpe_chatml_tokenizer
 
 from asyncrl.actors.guided import (
     CONTINUE_PROMPT,
@@ -38,10 +37,6 @@ from asyncrl.actors.guided import (
     sample_seed,
 )
 
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 CORPUS = [
     "You are a student. What is 2 + 3 * 4? <think>3*4=12</think> <answer>\\boxed{14}</answer>",
     "Step 1 is wrong. What is 3 * 4? Please continue and provide the final answer in the required format.",
@@ -54,15 +49,8 @@ ANSWER = "<think>3*4=12</think> <answer>\\boxed{14}</answer>"
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHATML)
+def tokenizer():
+    return bpe_chatml_tokenizer(CORPUS * 5, vocab_size=500)
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +438,8 @@ def test_template_variants(tokenizer):
 
 
 def test_worked_example_1_15_in_parity_mode(chat):
-    """GUIDED_GRPO.md 1.15 with the original's settings (guided_grpo history, score shown)."""
+    """A worked three-turn example (a wrong step, guidance, a corrected answer, STOP) with the
+original's settings (guided_grpo history, score shown)."""
     v1 = "Step 2 is wrong because 3*4=12. What is 3 * 4?\n[SCORE] hallucination_detect=0"
     a1, a2 = "<think>2 + 3 = 5</think> then 5 * 4", "<answer>\\boxed{14}</answer>"
     policy, verifier = ScriptedPolicy(chat, [a1, a2]), ScriptedVerifier([v1, STOP])

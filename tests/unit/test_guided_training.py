@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from conftest import bpe_chatml_tokenizer
 
 from asyncrl.actors.guided import (
     Conversation,
@@ -22,23 +21,12 @@ from asyncrl.actors.guided import (
     sample_metadata,
 )
 
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 EOT = 2  # <|im_end|>: the third special token
 
 
 @pytest.fixture(scope="module")
 def chat() -> PolicyChat:
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["user assistant system hint answer"] * 5, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 chat_template=CHATML)
+    hf = bpe_chatml_tokenizer(["user assistant system hint answer"] * 5, vocab_size=300)
     assert hf.convert_tokens_to_ids("<|im_end|>") == EOT
     return PolicyChat(hf)
 

@@ -1,9 +1,9 @@
 """The text boundary of the guided protocol is exactly as specified.
 
-Proves: the verifier request renders byte-exact to GUIDED_GRPO.md 1.9 (layout, `Assistant: ` lines
-for policy turns only, [IMAGE]/[VIDEO], N/A, stripped template); every reply case of 1.10 and the
-structural edge cases of 11 item 8 classify as documented (kind, guidance shown, score); the
-final-answer detector is 1.8 exactly; score aggregation is 1.11 (mean, 0.5 when none).
+Proves: the verifier request renders byte-exact to the original's layout (layout, `Assistant: ` lines
+for policy turns only, [IMAGE]/[VIDEO], N/A, stripped template); every kind of verifier reply (STOP, guidance, score
+line, malformed) and the structural edge cases classify as documented (kind, guidance shown, score); the
+final-answer detector matches the original's; score aggregation is the mean, 0.5 when none.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ SCORE0 = "[SCORE] hallucination_detect=0"
 
 # (reply, expected kind, expected guidance (score hidden), expected score)
 REPLY_TABLE = [
-    # 1.10 rows and their edge cases
+    # every kind of verifier reply and its edge cases
     ("", "stop", "", None),                                     # empty -> STOP (original too)
     ("   \n\t ", "stop", "", None),                             # whitespace -> STOP
     (None, "stop", "", None),                                   # missing text -> STOP

@@ -1,7 +1,7 @@
 """Proves the answer grader and the built-in rewards are right: a table of equivalent and
 non-equivalent answers (fractions, decimals, \\frac, units, \\text{}, thousands separators,
-intervals, negatives, LaTeX spacing), boxed extraction and the format rule of GUIDED_GRPO.md
-1.8/4.3, and each built-in (`math`, `guided_math`, `dapo`, `r1v`) on a table with hand-derived
+intervals, negatives, LaTeX spacing), boxed extraction and the format rule (a final turn
+has a well-formed final answer), and each built-in (`math`, `guided_math`, `dapo`, `r1v`) on a table with hand-derived
 `overall` values; grading works (and is time-bounded) outside the main thread."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_extract_boxed_content(text: str, expected: str) -> None:
 )
 def test_answer_format(response: str, ok: bool) -> None:
     assert answer_format_ok(response) is ok
-    # The rollout accepts STOP with the same rule (GUIDED_GRPO.md 1.8 = 4.3): keep them identical.
+    # The rollout accepts STOP with the same final-answer rule as the reward's format check: keep them identical.
     from asyncrl.actors.guided.verifier_io import has_final_answer
 
     assert has_final_answer(response) is ok

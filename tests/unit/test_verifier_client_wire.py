@@ -1,10 +1,11 @@
 """Verifier wire format and deployment options, pure functions (no Ray, no sockets).
 
-Proves: Guided-GRPO's exact request body (§3.2) parses, with `top_k` optional and unknown keys
+Proves: Guided-GRPO's exact request body (model, messages, sampling fields) parses, with `top_k` optional and unknown keys
 ignored; malformed bodies raise RequestError(400) naming the field; replies have OpenAI's shape
 plus the version label; Serve options follow VerifierConfig (replicas or autoscaling, CPUs/GPUs,
 surge-first rollout, drain time = client deadline, CPU env for vLLM); the upstream parser of the
-http back-end follows Guided-GRPO's §3.3 fallbacks; replies the client cannot use are classified
+http back-end reads a reply as Guided-GRPO's client does (the first choice's message content, else its
+text, else the choice itself); replies the client cannot use are classified
 retryable or final as documented.
 """
 

@@ -1,7 +1,8 @@
 """asyncrl.vision: image loading from every accepted form, the original's resize rule, the
-placeholder-alignment / limit_images trimming table (GUIDED_GRPO.md 1.6 + 7.2), lossless PNG wire
+placeholder-alignment / limit_images trimming table (images beyond the prompt's placeholders or the
+limit are dropped, from the end), lossless PNG wire
 round trip through the protocol codec with hash checking, and placeholder collapsing for vLLM.
-Also proves the 11 item 14 hazard is closed: the trimmed images give exactly as many image
+Also proves a trimming hazard is closed: the trimmed images give exactly as many image
 features as the trimmed prompt has image tokens, the untrimmed list does not (and is an error)."""
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def test_message_left_empty_gets_empty_string():
 
 
 def test_marker_reconciliation_then_limit_table():
-    """7.2 markers (asyncrl.data.build_messages) followed by 1.6 alignment with limit_images."""
+    """Image markers placed in the messages (asyncrl.data.build_messages), then images aligned to the
+    placeholders and trimmed to limit_images."""
     from asyncrl.config import DataConfig
     from asyncrl.data import build_messages
 
@@ -161,7 +163,7 @@ def test_collapse_and_expand_placeholders():
 
 @pytest.mark.skipif(not TINY_VL.exists(), reason="assets/tiny-vl-policy not built")
 def test_trimmed_images_match_prompt_tokens_untrimmed_do_not():
-    """11 item 14: features from the untrimmed list no longer match the trimmed prompt's tokens."""
+    """The trimming hazard: features from the untrimmed list no longer match the trimmed prompt's tokens."""
     from transformers import AutoConfig, AutoProcessor
 
     from asyncrl.learner.multimodal import ImageTokenMismatch, check_image_tokens
