@@ -1,9 +1,11 @@
 """The components of a running job: `build_topology` starts them, `Topology` holds them.
 
 Read `build_topology` top to bottom to see every component of a job and the order they start in:
-data, coordinator, replay buffer, verifier service, the learner's placement (reserved before any
-engine), rollout fleet (launched), weight store, learner group, weight sender (publishing version
-0), rollout fleet (joined) and, on resume, a first weight broadcast. Each step is timed and a step that cannot start fails
+the weight store and the verifier service (in the background, from the first moment), data,
+coordinator and replay buffer (their processes started together), verifier service (waited for),
+the learner's placement (reserved before any engine), rollout fleet (launched), weight store
+(waited for), learner group, weight sender (publishing version 0), rollout fleet (joined) and, on
+resume, a first weight broadcast. Each step is timed and a step that cannot start fails
 the launch with its name (asyncrl.startup.StartupError), with everything already started torn
 down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
 to a buffer that is gone). `describe_failure` names the component behind an error.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,12 +69,7 @@ class Topology:
             self.weight_store.shutdown()
             self.weight_store = None
         if self.verifier is not None:
-            try:
-                from ray import serve
-
-                serve.shutdown()
-            except Exception:  # noqa: BLE001 - tearing down
-                pass
+            _stop_serve()
             self.verifier = None
         if self.buffer is not None:
             try:
@@ -95,12 +93,20 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     from asyncrl.data import load_training_rows
     from asyncrl.learner.group import LearnerGroup, reserve_placement
     from asyncrl.replay.host import BufferHost
-    from asyncrl.serve.deploy import deploy_verifier
     from asyncrl.weights.store import start_weight_store
 
     namespace = ray.get_runtime_context().namespace
     topo = Topology(cfg, run_dir, namespace)
     timeout = cfg.cluster.startup_timeout_s
+    verifier_step = f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"
+    # Services that nothing needs before the engines are launched start at once, in the background,
+    # while the driver loads the data and starts the coordinator and the buffer (each is a process
+    # start that mostly waits); their steps below only wait for them.
+    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asyncrl-start")
+    pending: dict[str, Future] = {"weight store": background.submit(start_weight_store, namespace)}
+    if cfg.rollout.guide.enable:
+        pending["verifier"] = background.submit(_deploy_and_probe, cfg)
+        say(f"starting {verifier_step} and the weight store in the background ...")
     try:
         with step_timer("data"):
             rows = load_training_rows(cfg)
@@ -111,6 +117,9 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         state_dir.mkdir(exist_ok=True)
         restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
                         scheduling_strategy=_on_this_node())
+        # created now, so its process starts while the coordinator's does
+        topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
+            cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
         with step_timer("coordinator"):
             # held by the driver for the job's life: a restarted coordinator is built from it again
             topo.rows_ref = ray.put(rows)
@@ -122,8 +131,6 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
                 buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
             topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
         with step_timer("replay buffer"):
-            topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
-                cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
             topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
             topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
             say(f"  replay buffer listening at {topo.buffer_address}")
@@ -131,10 +138,9 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             if snap is not None and snap.exists():
                 restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
                 say(f"  buffer restored from {snap}: {restored} group(s)")
-        if cfg.rollout.guide.enable:
-            with step_timer(f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"):
-                topo.verifier = deploy_verifier(cfg)
-                probe_verifier(cfg)
+        if cfg.rollout.guide.enable:  # before the engines: a rollout actor looks the application up when built
+            with step_timer(verifier_step):
+                topo.verifier = pending.pop("verifier").result(timeout=timeout)
         else:  # nothing would call it (no Serve controller and proxy competing for the CPUs either)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
@@ -149,7 +155,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         if launched is not None:
             say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the learner starts")
         with step_timer("weight store"):
-            topo.weight_store = start_weight_store(namespace)
+            topo.weight_store = pending.pop("weight store").result(timeout=timeout)
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
             topo.learner = LearnerGroup(cfg, placement=topo.learner_placement)
             topo.learner_placement = None  # the learner group owns it now
@@ -173,9 +179,47 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             with step_timer(f"weight group (resumed at v{version}: first broadcast)"):
                 topo.fleet.sync_weights(topo.weight_address)
     except BaseException:
+        _collect_started(pending, topo)
         topo.shutdown()
         raise
+    finally:
+        background.shutdown(wait=False)
     return topo
+
+
+def _deploy_and_probe(cfg: Config) -> DeploymentHandle:
+    """The verifier application, deployed and answering one probe request."""
+    from asyncrl.serve.deploy import deploy_verifier
+
+    handle = deploy_verifier(cfg)
+    probe_verifier(cfg)
+    return handle
+
+
+def _collect_started(pending: dict[str, Future], topo: Topology) -> None:
+    """After a failed start-up step: wait for the background starts still running and hand what
+    they started to `topo`, so its shutdown stops them too. A verifier whose deployment or probe
+    failed may still have started Serve: stopped here."""
+    for what, future in pending.items():
+        try:
+            started = future.result(timeout=60)
+        except BaseException:  # noqa: BLE001 - its own failure is not the one being reported
+            if what == "verifier":
+                _stop_serve()
+            continue
+        if what == "weight store":
+            topo.weight_store = started
+        else:
+            topo.verifier = started
+
+
+def _stop_serve() -> None:
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:  # noqa: BLE001 - tearing down
+        pass
 
 
 def publish_initial_weights(learner: LearnerGroup) -> dict[str, Any]:
