@@ -27,6 +27,7 @@ def batch_metrics(metas: list[dict[str, Any]], lags: list[int], max_staleness: i
     for k, vs in parts.items():
         out[f"reward/{k}"] = sum(vs) / len(vs)
     out["train/turns_mean"] = sum(t for m in metas for t in m["num_turns"]) / n
+    out.update(guidance_metrics(metas))
     hist = [0] * (max(max(lags, default=0), max_staleness) + 1)
     for lag in lags:
         hist[lag] += 1
@@ -37,6 +38,20 @@ def batch_metrics(metas: list[dict[str, Any]], lags: list[int], max_staleness: i
     out["verifier/versions_in_batch"] = ",".join(versions)
     out["train/prompt_indices"] = sorted(m["prompt_index"] for m in metas)
     return out
+
+
+def guidance_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
+    """How the trained samples were solved: in their first policy turn (`train/first_turn_accuracy`,
+    the unguided accuracy) or only after the verifier's guidance (`train/rescued_frac`). The raw
+    reward counts both as 1, so a policy that learns to need less guidance can improve while
+    `train/reward_mean` stays flat; these two show it. Empty when the reward has no `accuracy` part."""
+    pairs = [(rp["accuracy"], t) for m in metas for rp, t in zip(m["reward_parts"], m["num_turns"])
+             if "accuracy" in rp]
+    if not pairs:
+        return {}
+    solved = [(acc >= 1.0, t) for acc, t in pairs]
+    return {"train/first_turn_accuracy": sum(ok and t <= 1 for ok, t in solved) / len(solved),
+            "train/rescued_frac": sum(ok and t > 1 for ok, t in solved) / len(solved)}
 
 
 class StepClock:
