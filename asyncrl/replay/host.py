@@ -90,6 +90,9 @@ class BufferHost:
     def take_dropped(self) -> list[tuple[int, float]]:
         return self.server.take_dropped()
 
+    def observe_drift(self, drift: float, budget: float) -> int:
+        return self.server.observe_drift(drift, budget)
+
     def release_actor(self, actor_id: str) -> int:
         return self.server.release_actor(actor_id)
 

@@ -168,6 +168,10 @@ class ReplayBufferServer:
     def set_version(self, version: int) -> int:
         return self._change(self.state.set_version, version)
 
+    def observe_drift(self, drift: float, budget: float) -> int:
+        """`BufferState.observe_drift` under the lock (drift pacing); the new admission staleness."""
+        return self._change(self.state.observe_drift, drift, budget)
+
     def take_dropped(self) -> list[tuple[int, float]]:
         """(prompt index, length) of the groups dropped stale since the previous call."""
         return self._change(self.state.take_dropped)

@@ -9,6 +9,10 @@ Rules (AReaL's admission rule, asyncrl's hard bound):
   expired ticket frees its slot (counted ``buffer/tickets_expired``). A group pushed later with an
   expired ticket is still accepted (counted ``buffer/late_pushes``): work is not thrown away, and the
   hard bound below still holds.
+- Drift pacing (``buffer.staleness=drift``): the admission rule uses ``admission_staleness`` <=
+  ``max_staleness`` instead, lowered by one while the learner's measured drift KL(mu || pi_prox) is
+  over its budget and raised by one while it is under half of it (`observe_drift`). It paces what
+  is generated; nothing already generated is dropped for it, and delivery keeps the hard bound.
 - Hard bound: a group with ``v - min_version > max_staleness`` is never delivered; it is dropped and
   counted (``buffer/dropped_stale``) at ingest, when v changes, and before every delivery. Groups
   dropped or filtered at ingest are never stored, so they are not in ``ingested``:
@@ -77,6 +81,7 @@ class BufferState:
         if batch_size <= 0 or max_staleness < 0:
             raise ValueError("batch_size must be > 0 and max_staleness >= 0")
         self.max_staleness, self.batch_size = max_staleness, batch_size
+        self.admission_staleness = max_staleness  # drift pacing moves it within [0, max_staleness]
         self.capacity_groups, self.capacity_bytes = capacity_groups, capacity_bytes
         self.ticket_lease_s = ticket_lease_s
         self.filter = (filter_enable, filter_key, filter_low, filter_high)
@@ -106,7 +111,17 @@ class BufferState:
         return len(self._heap)
 
     def admission_limit(self) -> int:
-        return (self.version + self.max_staleness + 1) * self.batch_size
+        return (self.version + self.admission_staleness + 1) * self.batch_size
+
+    def observe_drift(self, drift: float, budget: float) -> int:
+        """One step's measured drift (KL(mu || pi_prox) per trained token) against `budget`:
+        admission_staleness - 1 when over it, + 1 when under half of it (the gap keeps it from
+        flapping on noise), within [0, max_staleness]. Returns the new value."""
+        if drift > budget:
+            self.admission_staleness = max(0, self.admission_staleness - 1)
+        elif drift < budget / 2:
+            self.admission_staleness = min(self.max_staleness, self.admission_staleness + 1)
+        return self.admission_staleness
 
     def can_admit(self) -> bool:
         return self.consumed + self.buffered + len(self.in_flight) < self.admission_limit()
@@ -289,6 +304,7 @@ class BufferState:
             "buffer/size_groups": self.buffered, "buffer/size_mb": self.bytes / 2**20,
             "buffer/in_flight": len(self.in_flight), "buffer/version": self.version,
             "buffer/admission_limit": self.admission_limit(),
+            "buffer/admission_staleness": float(self.admission_staleness),
             "buffer/admission_used": self.consumed + self.buffered + len(self.in_flight),
         }
         out.update({f"buffer/{k}": float(v) for k, v in sorted(self.counters.items())})
