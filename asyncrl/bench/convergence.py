@@ -34,7 +34,8 @@ same length (an interrupted grid continues where it stopped; the figures are re-
 `ASYNCRL_BENCH_REUSE=only` runs nothing and reports the finished cells (the others as not run).
 
 A mode is an `off_policy.mode`, optionally with `+key=value` overrides of `learner.off_policy`
-(validated, so a refused combination fails by name), e.g. `decoupled+lr_scale=ess`.
+(validated, so a refused combination fails by name), e.g. `decoupled+lr_scale=ess`; a dotted key is a
+config path, e.g. `decoupled+buffer.staleness=drift`.
 `--variance` is the variance-control grid: η ∈ {0, 1, 2, 4, 8} × `VARIANCE_MODES` × seeds {1, 2},
 the modes after the first (the baseline, `decoupled`) only at `ASYNCRL_BENCH_SECONDARY_STALENESS`
 (default 4,8: where staleness hurts; dropping their η = 1, 2 cells keeps the grid near 2 hours).
@@ -64,10 +65,11 @@ ACC = "guided_accuracy"
 # start-up took 1-3 min and a synchronous step 4.3 s on average.
 EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 35.0, 2.3, 0.025
 RETRIES = 1  # a failed run is started once more before the grid moves on
-VARIANCE_MODES = ["decoupled", "m2po", "decoupled+lr_scale=ess", "decoupled+lr_scale=lag",
-                  "decoupled+lag_decay=0.5", "decoupled+seq_kl_budget=0.02"]
+VARIANCE_MODES = ["decoupled", "m2po", "decoupled+lr_scale=ess", "decoupled+lag_decay=0.5",
+                  "decoupled+seq_kl_budget=0.02", "decoupled+buffer.staleness=drift"]
 """`--variance`: the best mode of the previous grid, then one cell per variance control (0.02 sits
-between the drift measured at lag 1, 0.004-0.012, and at lag 4, 0.03-0.09)."""
+between the drift measured at lag 1, 0.004-0.012, and at lag 4, 0.03-0.09; it is also the default
+`buffer.drift_budget`). Left out for time, runnable by `ASYNCRL_BENCH_MODES`: `decoupled+lr_scale=lag`."""
 
 
 def _env_list(key: str, default: list[Any], cast=int) -> list[Any]:
@@ -137,14 +139,21 @@ def _val_subset(cfg: Config, rows: int | None, out: Path) -> str:
     return str(path.resolve())
 
 
-def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: str) -> dict[str, Any]:
-    """One real training run; its curves and end figures (see `cell_figures`)."""
-    from asyncrl.runtime import run
-
+def cell_config(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: str) -> Config:
+    """The config of one cell: η, the mode spec's overrides (validated), seed and run size."""
     c = cfg.model_copy(deep=True)
     c.buffer.max_staleness = cell["max_staleness"]
+    overrides = mode_overrides(cell["mode"])
     c.learner.off_policy = type(c.learner.off_policy).model_validate(
-        {**c.learner.off_policy.model_dump(), **mode_overrides(cell["mode"])})
+        {**c.learner.off_policy.model_dump(), **{k: v for k, v in overrides.items() if "." not in k}})
+    for path, value in overrides.items():  # a dotted key: its section re-validated with the value
+        if "." in path:
+            *parents, leaf = path.split(".")
+            owner = c
+            for name in parents[:-1]:
+                owner = getattr(owner, name)
+            section = getattr(owner, parents[-1])
+            setattr(owner, parents[-1], type(section).model_validate({**section.model_dump(), leaf: value}))
     c.data.seed = c.rollout.seed = c.trainer.seed = cell["seed"]
     c.data.val_files = val_files
     c.trainer.max_steps = p["steps"]
@@ -157,6 +166,14 @@ def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: st
     tag = cell["mode"].replace("+", "-").replace("=", "")
     c.trainer.experiment_name = (f"{cfg.trainer.experiment_name}-convergence-s{cell['max_staleness']}"
                                  f"-{tag}-seed{cell['seed']}")
+    return c
+
+
+def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: str) -> dict[str, Any]:
+    """One real training run; its curves and end figures (see `cell_figures`)."""
+    from asyncrl.runtime import run
+
+    c = cell_config(cfg, cell, p, val_files)
     run_dir = c.run_path
     t0 = time.time()
     reuse = os.environ.get("ASYNCRL_BENCH_REUSE", "0")

@@ -117,6 +117,15 @@ def test_variance_grid_plan_and_mode_specs(monkeypatch: pytest.MonkeyPatch) -> N
     assert cv.mode_overrides("decoupled+lr_scale=ess+lag_decay=0.5") == {"mode": "decoupled", "lr_scale": "ess",
                                                                           "lag_decay": 0.5}
     assert cv.mode_overrides("m2po") == {"mode": "m2po"}
+    assert cv.mode_overrides("decoupled+buffer.staleness=drift") == {"mode": "decoupled", "buffer.staleness": "drift"}
+    built = {r["mode"]: cv.cell_config(Config(), r, p, "val.jsonl") for r in p["runs"] if r["max_staleness"] == 8}
+    assert built["m2po"].learner.off_policy.mode == "m2po" and built["m2po"].buffer.max_staleness == 8
+    assert built["decoupled+lr_scale=ess"].learner.off_policy.lr_scale == "ess"
+    assert built["decoupled+buffer.staleness=drift"].buffer.staleness == "drift"
+    assert built["decoupled+buffer.staleness=drift"].learner.off_policy.mode == "decoupled"
+    assert len({c.trainer.experiment_name for c in built.values()}) == len(built)  # one run dir per cell
+    with pytest.raises(ValueError, match="lr_scale=ess"):  # a refused combination fails by name
+        cv.cell_config(Config(), {"seed": 1, "max_staleness": 4, "mode": "none+lr_scale=ess"}, p, "val.jsonl")
     monkeypatch.setenv("ASYNCRL_BENCH_MODES", "decoupled,tis+cap")
     with pytest.raises(ValueError, match="'cap' is not key=value"):
         cv.plan(Config(), full=False, smoke=False)
