@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -154,10 +155,12 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
     topo = None
     try:
         resume = find_resume(cfg, run_dir)
+        rows = _load_rows_while_ray_starts(cfg)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
         with step_timer("preflight (resources, nodes, addresses)"):
             preflight(cfg)
+        rows.join()  # the data step takes the rows it loaded (or fails there with the file's error)
         (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
         stop.install()  # after ray.init, which installs its own SIGTERM handler in the driver
         from asyncrl.topology import build_topology
@@ -192,6 +195,17 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         (run_dir / "job.json").unlink(missing_ok=True)
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _load_rows_while_ray_starts(cfg: Config) -> threading.Thread:
+    """The training rows (datasets, the tokenizer of the overlong filter) loaded in a thread while
+    the driver waits for Ray's processes to come up and for the preflight probes; the data step of
+    the topology then takes them (asyncrl.data.preload_training_rows)."""
+    from asyncrl.data import preload_training_rows
+
+    thread = threading.Thread(target=preload_training_rows, args=(cfg,), name="asyncrl-rows", daemon=True)
+    thread.start()
+    return thread
 
 
 # ------------------------------------------------------------------------------------- the end

@@ -23,6 +23,7 @@ from asyncrl.data.sources import (
     load_rows,
     load_training_rows,
     parse_data_spec,
+    preload_training_rows,
 )
 from asyncrl.data.stream import PromptItem, PromptStream, make_item
 
@@ -39,4 +40,5 @@ __all__ = [
     "load_training_rows",
     "make_item",
     "parse_data_spec",
+    "preload_training_rows",
 ]

@@ -162,8 +162,8 @@ def filter_overlong_prompts(rows: Any, tokenizer: Any, cfg: DataConfig | None = 
 
 
 _preloaded: dict[str, list[dict[str, Any]]] = {}
-"""Rows `derive_max_steps` loaded at launch, handed once to the job's own `load_training_rows`
-(the driver then holds no second copy, and the rows are not read twice)."""
+"""Rows `derive_max_steps` or `preload_training_rows` loaded at launch, handed once to the job's own
+`load_training_rows` (the driver then holds no second copy, and the rows are not read twice)."""
 
 
 def _rows_key(cfg: Config) -> str:
@@ -186,6 +186,21 @@ def load_training_rows(cfg: Config) -> list[dict[str, Any]]:
                                               trust_remote_code=cfg.model.trust_remote_code)
     kept, _ = filter_overlong_prompts(rows, tokenizer, cfg.data)
     return kept
+
+
+def preload_training_rows(cfg: Config) -> None:
+    """Load the job's training rows ahead of its data step (the launcher does it while Ray starts)
+    and keep them for that step's `load_training_rows`. Rows already kept are not read again. A
+    file that cannot be loaded keeps nothing: the data step then loads it again and fails with
+    the error naming the file and row."""
+    key = _rows_key(cfg)
+    if key in _preloaded:
+        return
+    try:
+        rows = load_training_rows(cfg)
+    except Exception:  # noqa: BLE001 - reported by the data step, in its place
+        return
+    _preloaded[key] = rows
 
 
 def steps_per_epoch(num_rows: int, rollout_batch_size: int) -> int:

@@ -22,6 +22,7 @@ from asyncrl.data import (
     load_training_rows,
     make_item,
     parse_data_spec,
+    preload_training_rows,
 )
 from asyncrl.data.prompts import student_system_prompt
 
@@ -180,6 +181,27 @@ def test_load_training_rows_applies_the_overlong_filter(tmp_path: Path, monkeypa
     assert [r["answer"] for r in rows] == [str(i) for i in range(20) if i % 8 <= 5] and loaded == ["policy-dir"]
     off = cfg.model_copy(update={"data": cfg.data.model_copy(update={"filter_overlong_prompts": False})})
     assert len(load_training_rows(off)) == 20 and loaded == ["policy-dir"]  # no tokenizer needed
+
+
+def test_preloaded_rows_are_handed_once_and_a_bad_file_fails_in_the_data_step(tmp_path: Path) -> None:
+    """The launcher loads the rows while Ray starts (`preload_training_rows`); the data step takes
+    them without reading the file again, and a file that cannot load fails there, by name."""
+    from asyncrl.config import Config
+
+    def cfg_for(path: Path) -> Config:
+        return Config.model_validate({"model": {"path": "policy-dir"}, "rollout": {"max_num_batched_tokens": 2048},
+                                      "data": {"train_files": str(path), "filter_overlong_prompts": False}})
+
+    good = write_jsonl(tmp_path / "good.jsonl", ROWS)
+    preload_training_rows(cfg_for(good))
+    good.unlink()  # taken from the preload: the file is not read again
+    assert [r["answer"] for r in load_training_rows(cfg_for(good))] == [str(i) for i in range(6)]
+    with pytest.raises(ValueError, match="good.jsonl"):  # handed once: a second call reads the (gone) file
+        load_training_rows(cfg_for(good))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "1 + 2", "answer": "3"}, {"problem": "2 + 2"}])
+    preload_training_rows(cfg_for(bad))  # keeps nothing, raises nothing
+    with pytest.raises(ValueError, match=r"bad.jsonl.*row 1"):
+        load_training_rows(cfg_for(bad))
 
 
 def test_quickstart_data_section_builds_streams() -> None:
