@@ -151,8 +151,8 @@ class Trainer:
         t2 = time.time()
         trained = [m["prompt_index"] for m in metas]
         coord = ray.get(topo.coordinator.set_version.remote(self.version, [i for i in trained if i >= 0]))
-        if cfg.buffer.staleness == "drift" and "train/mismatch_kl" in learner_metrics:  # drift pacing
-            ray.get(topo.buffer.observe_drift.remote(learner_metrics["train/mismatch_kl"], cfg.buffer.drift_budget))
+        if cfg.buffer.staleness == "drift" and "train/seq_mismatch_kl" in learner_metrics:  # drift pacing
+            ray.get(topo.buffer.observe_drift.remote(learner_metrics["train/seq_mismatch_kl"], cfg.buffer.drift_budget))
         progress.taken = []
         metrics = {**learner_metrics, **ray.get(topo.buffer.stats.remote())}
         reconciled, dropped_lengths = self.services.reconcile(metrics, coord or {})

@@ -40,7 +40,7 @@ config path, e.g. `decoupled+buffer.staleness=drift`.
 the modes after the first (the baseline, `decoupled`) only at `ASYNCRL_BENCH_SECONDARY_STALENESS`
 (default 4,8: where staleness hurts; dropping their η = 1, 2 cells keeps the grid near 2 hours).
 Every cell also reports its mean lag per trained token (`train/version_lag_mean`), drift
-(`train/mismatch_kl`), masked share (`train/is_clipped_frac`: every token the correction zeroed or
+(`train/mismatch_kl` per token, `train/seq_mismatch_kl` per conversation), masked share (`train/is_clipped_frac`: every token the correction zeroed or
 clipped; `train/m2po_masked_frac`, `train/drift_masked_frac`), ESS ((mean w)² / mean w² per step)
 and LR factor (`train/lr_scale`), so a mode that did not hold shows why.
 """
@@ -255,7 +255,7 @@ def variance_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ess = [r["train/is_weight_mean"] ** 2 / r["train/is_weight_sq_mean"] for r in rows
            if isinstance(r.get("train/is_weight_sq_mean"), (int, float)) and r["train/is_weight_sq_mean"] > 0
            and isinstance(r.get("train/is_weight_mean"), (int, float))]
-    return {"lag_mean": avg("train/version_lag_mean"), "masked_frac": avg("train/is_clipped_frac"),
+    return {"lag_mean": avg("train/version_lag_mean"), "seq_drift_mean": avg("train/seq_mismatch_kl"), "masked_frac": avg("train/is_clipped_frac"),
             "m2po_masked_frac": avg("train/m2po_masked_frac"), "drift_masked_frac": avg("train/drift_masked_frac"),
             "ess_mean": _mean(ess), "lr_scale_mean": avg("train/lr_scale"),
             "lag_weight_mean": avg("train/lag_weight_mean")}
@@ -319,7 +319,7 @@ def summarize(cells: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any]:
             "failed_cells": len(cells) - len(ok)}
 
 
-VARIANCE_KEYS = ("lag_mean", "masked_frac", "m2po_masked_frac", "drift_masked_frac", "ess_mean", "lr_scale_mean",
+VARIANCE_KEYS = ("lag_mean", "seq_drift_mean", "masked_frac", "m2po_masked_frac", "drift_masked_frac", "ess_mean", "lr_scale_mean",
                  "lag_weight_mean")
 
 
@@ -336,14 +336,14 @@ def print_grid(result: dict[str, Any]) -> None:
         print(f"  {r['max_staleness']:>2} {r['mode']:<{width}} {len(r['seeds']):<6} {_fmt(r['test_accuracy_mean']):>9} "
               f"{_fmt(r['test_accuracy_se_across_seeds']):>6} {_fmt(r['final_val_accuracy_mean']):>8} "
               f"{r['reached_sync']:>8} {_fmt(r['time_to_sync_ratio_mean'], '.2f'):>7} "
-              f"{_fmt(r['steps_per_s_mean']):>8} {_fmt(r['mismatch_kl_mean'], '.2e'):>9} {_fmt(r['lag_mean'], '.2f'):>5} "
+              f"{_fmt(r['steps_per_s_mean']):>8} {_fmt(r['seq_drift_mean'], '.2e'):>9} {_fmt(r['lag_mean'], '.2f'):>5} "
               f"{_fmt(r['masked_frac'], '.2e'):>8} {_fmt(r['ess_mean']):>6} {_fmt(r['lr_scale_mean'], '.2f'):>5}")
     print_cells(result["cells"], width)
 
 
 def print_cells(cells: list[dict[str, Any]], width: int = 12) -> None:
     """One line per run: what the seed means hide (a mode that held on one seed only)."""
-    print("\n== per run (drift = KL(mu || pi_prox) per token; masked = tokens the correction zeroed/clipped;"
+    print("\n== per run (drift = KL(mu || pi_prox) per conversation; masked = tokens the correction zeroed/clipped;"
           " m2po/drift = the shares those masks removed) ==")
     print(f"  {'η':>2} {'mode':<{width}} {'seed':>4} {'test acc':>9} {'val acc':>8} {'time ×':>7} {'drift':>9} "
           f"{'lag':>5} {'masked':>8} {'m2po':>8} {'drift m.':>8} {'ESS':>6} {'lr ×':>5}")
@@ -353,7 +353,7 @@ def print_cells(cells: list[dict[str, Any]], width: int = 12) -> None:
             continue
         print(f"  {c['max_staleness']:>2} {c['mode']:<{width}} {c['seed']:>4} {_fmt(c['test_accuracy']):>9} "
               f"{_fmt(c['final_val_accuracy']):>8} {_fmt(c.get('time_to_sync_ratio'), '.2f'):>7} "
-              f"{_fmt(c['mismatch_kl_mean'], '.2e'):>9} {_fmt(c.get('lag_mean'), '.2f'):>5} "
+              f"{_fmt(c.get('seq_drift_mean'), '.2e'):>9} {_fmt(c.get('lag_mean'), '.2f'):>5} "
               f"{_fmt(c.get('masked_frac'), '.2e'):>8} {_fmt(c.get('m2po_masked_frac'), '.2e'):>8} "
               f"{_fmt(c.get('drift_masked_frac'), '.2e'):>8} {_fmt(c.get('ess_mean')):>6} "
               f"{_fmt(c.get('lr_scale_mean'), '.2f'):>5}")

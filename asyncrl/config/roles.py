@@ -302,12 +302,12 @@ class BufferConfig(Section):
     off-policy noise. 0 = synchronous on-policy."""
     staleness: Literal["versions", "drift"] = "versions"
     """Admission pacing: `versions` admits up to `max_staleness` versions ahead; `drift` moves the
-    admitted lag within [0, max_staleness] by the learner's measured drift (`train/mismatch_kl`, per
-    step): down one while over `drift_budget`, up one while under half of it. `max_staleness` stays
+    admitted lag within [0, max_staleness] by the learner's measured drift (`train/seq_mismatch_kl`,
+    per step): down one while over `drift_budget`, up one while under half of it. `max_staleness` stays
     the hard bound on delivery either way; logged: `buffer/admission_staleness`."""
     drift_budget: float = Field(0.02, gt=0)
-    """staleness=drift: the budget of KL(mu || pi_prox) per trained token (the previous round
-    measured 0.004-0.012 at lag 1 and 0.03-0.09 at lag 4)."""
+    """staleness=drift: the budget of KL(mu || pi_prox) per trained sequence, the mean of
+    `train/seq_mismatch_kl` (the previous round measured 0.004-0.012 at lag 1, 0.03-0.09 at lag 4)."""
     capacity_groups: int = Field(1024, gt=0)
     """Buffered groups at most; producers are told "full" beyond it (never a silent drop)."""
     capacity_mb: float = Field(1024.0, gt=0)
@@ -380,9 +380,10 @@ class OffPolicyConfig(Section):
     """m2po: budget of the mean (log pi_prox/mu)^2 over a micro-batch's trained tokens (the M2PO
     paper's default 0.04); logged: `train/m2po_masked_frac`."""
     seq_kl_budget: float | None = Field(None, gt=0)
-    """Drift masking (any weighting mode but none/bypass): a sequence whose mean k3 estimate of
-    KL(mu || pi_prox) per token exceeds this gets weight 0 on every token (null = off); logged:
-    `train/drift_masked_frac`. The previous round measured 0.004-0.012 at lag 1, 0.03-0.09 at lag 4."""
+    """Drift masking (any weighting mode but none/bypass): a sequence whose k3 estimate of
+    KL(mu || pi_prox), summed over its trained tokens, exceeds this gets weight 0 on every token
+    (null = off); logged: `train/drift_masked_frac`. The previous round measured 0.004-0.012 per
+    conversation at lag 1, 0.03-0.09 at lag 4."""
     lag_decay: float = Field(1.0, gt=0, le=1)
     """Per-group down-weighting by lag: a group's advantages are multiplied by lag_decay^lag, lag =
     versions between the group's oldest token and the trained version (1.0 = off); logged:

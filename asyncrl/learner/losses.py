@@ -29,7 +29,7 @@ correction reweights for pi_prox != mu (off-policy lag and engine/learner numeri
    `m2po` (M2PO, arXiv 2510.01161) w = r M, M masking the tokens with the largest (log r)^2 until
    the mean (log r)^2 of the kept ones is <= `m2po_tau` (`m2po_keep`; per call, i.e. per
    micro-batch). `seq_kl_budget` (any mode but none/bypass) then zeroes every token of a sequence
-   whose mean k3 KL(mu || pi_prox) exceeds it (`drift_keep`). The learner's other two variance
+   whose k3 KL(mu || pi_prox), summed over the sequence, exceeds it (`drift_keep`). The learner's other two variance
    controls live outside the loss: `lag_decay` scales a group's advantages
    (`advantages.group_lag_weights`), `lr_scale` the optimizer step's learning rate (`step_lr_scale`).
 4. loss = agg(w L) + beta agg(kl(logp, logp_ref)) [KL as loss] - entropy_coef agg(H).
@@ -58,7 +58,8 @@ original logs "either bound" as `pg_clipfrac_higher` and dual as `pg_clipfrac_lo
 `train/entropy` is the true entropy over the vocabulary (`entropy_from_logits`) instead of the
 NLL proxy; `loss/kl` is averaged over micro-batches instead of keeping the last micro-batch's value;
 `train/mismatch_kl` = k3 estimate of KL(mu || pi_prox) on the sampled tokens;
-`train/is_weight_sq_mean` = mean w^2 (with `train/is_weight_mean` the ESS); `train/m2po_masked_frac`,
+`train/seq_mismatch_kl` = the same summed over each sequence, averaged over sequences (the drift
+of a whole conversation); `train/is_weight_sq_mean` = mean w^2 (with `train/is_weight_mean` the ESS); `train/m2po_masked_frac`,
 `train/drift_masked_frac` the tokens each mask removed (count 0, so not logged, when it is off).
 
 `logprobs_from_logits` / `entropy_from_logits` take logits divided by the rollout temperature
@@ -93,6 +94,7 @@ __all__ = [
     "finalize_metrics",
     "m2po_keep",
     "drift_keep",
+    "sequence_drift",
     "effective_sample_size",
     "step_lr_scale",
 ]
@@ -113,6 +115,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "train/is_weight_sq_mean",
     "train/m2po_masked_frac",
     "train/drift_masked_frac",
+    "train/seq_mismatch_kl",
 )
 _LOG_RATIO_LIMIT = 20.0
 
@@ -311,17 +314,23 @@ def m2po_keep(log_ratio: Tensor, response_mask: Tensor, tau: float) -> Tensor:
     return keep
 
 
+def sequence_drift(logp_proximal: Tensor, logp_behaviour: Tensor, response_mask: Tensor) -> Tensor:
+    """[N] k3 estimate of KL(mu || pi_prox) of each whole sequence: the sum over its trained tokens
+    of e^d - d - 1, d = log pi_prox - log mu (the KL of a sequence distribution is the sum of its
+    per-token KLs)."""
+    mask = response_mask.float()
+    d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    return ((torch.exp(d) - d - 1.0) * mask).sum(dim=1)
+
+
 def drift_keep(logp_proximal: Tensor, logp_behaviour: Tensor, response_mask: Tensor, budget: float) -> Tensor:
-    """Sequence-level drift mask, [N, T] fp32: 0 on every token of a sequence whose mean k3
-    estimate of KL(mu || pi_prox) per trained token exceeds `budget`, else 1.
+    """Sequence-level drift mask, [N, T] fp32: 0 on every token of a sequence whose drift
+    (`sequence_drift`, summed over the conversation) exceeds `budget`, else 1.
 
     Why per sequence: stale damage shows in a conversation's summed drift, not in per-token
     ratios (which average ~1); dropping the whole sequence keeps no half-trained turn."""
-    mask = response_mask.float()
-    d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-    k3 = (torch.exp(d) - d - 1.0) * mask
-    per_seq = k3.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
-    return (per_seq <= budget).float().expand_as(mask)
+    per_seq = sequence_drift(logp_proximal, logp_behaviour, response_mask)
+    return (per_seq <= budget).float()[:, None].expand_as(response_mask).float()
 
 
 def effective_sample_size(weight_mean: float, weight_sq_mean: float) -> float:
@@ -464,8 +473,12 @@ def policy_loss(
             -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
         )
         mismatch = tok(torch.exp(d) - d - 1.0)
+        trained_seqs = mask.sum(dim=1) > 0
+        seq_drift = sequence_drift(logp_proximal, logp_behaviour, mask)
+        seq_mismatch = torch.stack([seq_drift[trained_seqs].sum(), trained_seqs.sum().float()]).double()
     else:
         mismatch = torch.zeros(2, dtype=torch.float64, device=mask.device)
+        seq_mismatch = mismatch
     metrics = {
         "loss/total": share_of(loss, share),
         "loss/pg": share_of(pg, share),
@@ -482,6 +495,7 @@ def policy_loss(
         else torch.zeros(2, dtype=torch.float64, device=mask.device),
         "train/mismatch_kl": mismatch,
         "train/is_weight_sq_mean": tok(weight * weight),
+        "train/seq_mismatch_kl": seq_mismatch,
         **_mask_metrics(logp_proximal, logp_behaviour, mask, config.off_policy),
     }
     return loss, metrics

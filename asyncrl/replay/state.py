@@ -10,7 +10,8 @@ Rules (AReaL's admission rule, asyncrl's hard bound):
   expired ticket is still accepted (counted ``buffer/late_pushes``): work is not thrown away, and the
   hard bound below still holds.
 - Drift pacing (``buffer.staleness=drift``): the admission rule uses ``admission_staleness`` <=
-  ``max_staleness`` instead, lowered by one while the learner's measured drift KL(mu || pi_prox) is
+  ``max_staleness`` instead, lowered by one while the learner's measured drift KL(mu || pi_prox)
+  per sequence is
   over its budget and raised by one while it is under half of it (`observe_drift`). It paces what
   is generated; nothing already generated is dropped for it, and delivery keeps the hard bound.
 - Hard bound: a group with ``v - min_version > max_staleness`` is never delivered; it is dropped and
@@ -114,7 +115,7 @@ class BufferState:
         return (self.version + self.admission_staleness + 1) * self.batch_size
 
     def observe_drift(self, drift: float, budget: float) -> int:
-        """One step's measured drift (KL(mu || pi_prox) per trained token) against `budget`:
+        """One step's measured drift (KL(mu || pi_prox) per trained sequence) against `budget`:
         admission_staleness - 1 when over it, + 1 when under half of it (the gap keeps it from
         flapping on noise), within [0, max_staleness]. Returns the new value."""
         if drift > budget:

@@ -25,6 +25,7 @@ from asyncrl.learner.losses import (
     m2po_keep,
     off_policy_weights,
     policy_loss,
+    sequence_drift,
     step_lr_scale,
 )
 
@@ -103,16 +104,18 @@ def test_m2po_weight_and_metrics_through_policy_loss():
 
 # ------------------------------------------------------------------------------ drift budget
 def test_drift_budget_masks_whole_sequences():
-    # row 0: d = log(pi_prox/mu) = [0.1, 0.1] -> k3 = e^d - d - 1 = 0.0051709 each, mean 0.00517
-    # row 1: d = [0.5, 0.0] -> k3 = [e^0.5 - 1.5 = 0.1487213, 0], mean 0.0743606
-    # budget 0.03: row 0 kept, row 1 dropped; budget 0.1: both kept
+    # row 0: d = log(pi_prox/mu) = [0.1, 0.1] -> k3 = e^d - d - 1 = 0.0051709 each, sequence sum 0.0103418
+    # row 1: d = [0.5, 0.0] -> k3 = [e^0.5 - 1.5 = 0.1487213, 0], sum 0.1487213
+    # budget 0.03: row 0 kept, row 1 dropped; budget 0.2: both kept; budget 0.01: both dropped
     prox = torch.tensor([[0.1, 0.1], [0.5, 0.0]])
     beh = torch.zeros(2, 2)
     mask = torch.ones(2, 2)
+    assert sequence_drift(prox, beh, mask).tolist() == pytest.approx([2 * (math.exp(0.1) - 1.1), math.exp(0.5) - 1.5], abs=1e-6)
     assert drift_keep(prox, beh, mask, 0.03).tolist() == [[1.0, 1.0], [0.0, 0.0]]
-    assert drift_keep(prox, beh, mask, 0.1).tolist() == [[1.0, 1.0], [1.0, 1.0]]
-    # untrained positions do not count: row 1 with its second token masked has mean 0.1487 > 0.1
-    assert drift_keep(prox, beh, torch.tensor([[1.0, 1.0], [1.0, 0.0]]), 0.1).tolist()[1] == [0.0, 0.0]
+    assert drift_keep(prox, beh, mask, 0.2).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert drift_keep(prox, beh, mask, 0.01).tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    # untrained positions do not count: row 0 with its second token masked sums 0.0051709 <= 0.01
+    assert drift_keep(prox, beh, torch.tensor([[1.0, 0.0], [1.0, 1.0]]), 0.01).tolist()[0] == [1.0, 1.0]
 
 
 def test_drift_budget_composes_with_decoupled():
@@ -124,7 +127,10 @@ def test_drift_budget_composes_with_decoupled():
     assert w.flatten().tolist() == pytest.approx([math.exp(0.1)] * 2 + [0.0, 0.0], abs=1e-6)
     assert masked.tolist() == [[0.0, 0.0], [1.0, 1.0]]
     _, m = policy_loss(prox.clone().requires_grad_(), prox, beh, torch.ones(2, 2), mask, config)
-    assert finalize_metrics(m)["train/drift_masked_frac"] == pytest.approx(0.5)
+    f = finalize_metrics(m)
+    assert f["train/drift_masked_frac"] == pytest.approx(0.5)
+    # conversation drift, mean over the 2 sequences: (0.0103418 + 0.1487213) / 2
+    assert f["train/seq_mismatch_kl"] == pytest.approx((2 * (math.exp(0.1) - 1.1) + math.exp(0.5) - 1.5) / 2, abs=1e-6)
 
 
 # ------------------------------------------------------------------------- ESS and the LR factor
