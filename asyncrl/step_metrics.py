@@ -27,7 +27,7 @@ def batch_metrics(metas: list[dict[str, Any]], lags: list[int], max_staleness: i
     for k, vs in parts.items():
         out[f"reward/{k}"] = sum(vs) / len(vs)
     out["train/turns_mean"] = sum(t for m in metas for t in m["num_turns"]) / n
-    out.update(guidance_metrics(metas))
+    out.update(turn_accuracy_metrics(metas))
     hist = [0] * (max(max(lags, default=0), max_staleness) + 1)
     for lag in lags:
         hist[lag] += 1
@@ -40,18 +40,18 @@ def batch_metrics(metas: list[dict[str, Any]], lags: list[int], max_staleness: i
     return out
 
 
-def guidance_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
-    """How the trained samples were solved: in their first policy turn (`train/first_turn_accuracy`,
-    the unguided accuracy) or only after the verifier's guidance (`train/rescued_frac`). The raw
-    reward counts both as 1, so a policy that learns to need less guidance can improve while
+def turn_accuracy_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
+    """How the trained samples were solved: with the final answer in their first policy turn
+    (`train/one_turn_accuracy`) or over several turns (`train/multi_turn_accuracy`: step by step
+    and/or after the verifier's guidance; the turn count does not tell the two apart). The raw
+    reward counts both as 1, so a policy that learns to need fewer turns improves while
     `train/reward_mean` stays flat; these two show it. Empty when the reward has no `accuracy` part."""
-    pairs = [(rp["accuracy"], t) for m in metas for rp, t in zip(m["reward_parts"], m["num_turns"])
+    pairs = [(rp["accuracy"] >= 1.0, t) for m in metas for rp, t in zip(m["reward_parts"], m["num_turns"])
              if "accuracy" in rp]
     if not pairs:
         return {}
-    solved = [(acc >= 1.0, t) for acc, t in pairs]
-    return {"train/first_turn_accuracy": sum(ok and t <= 1 for ok, t in solved) / len(solved),
-            "train/rescued_frac": sum(ok and t > 1 for ok, t in solved) / len(solved)}
+    return {"train/one_turn_accuracy": sum(ok and t <= 1 for ok, t in pairs) / len(pairs),
+            "train/multi_turn_accuracy": sum(ok and t > 1 for ok, t in pairs) / len(pairs)}
 
 
 class StepClock:
