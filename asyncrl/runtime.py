@@ -78,11 +78,19 @@ def ray_init(cfg: Config, namespace: str) -> None:
                 " (a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here)")
             raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}{hint}") from exc
     else:
-        num_cpus = cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2)
-        # Embedded cluster: every Ray endpoint on loopback (token auth is Ray's default for new clusters).
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=cfg.cluster.num_gpus, namespace=namespace,
-                 runtime_env=env, include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1",
+        ray.init(**embedded_ray_options(cfg), namespace=namespace, runtime_env=env, logging_level="WARNING",
                  log_to_driver=verbose())  # quiet mode: the actors write to <run_dir>/logs/ (asyncrl.logs)
+
+
+def embedded_ray_options(cfg: Config) -> dict[str, Any]:
+    """`ray.init` options of the embedded single-host cluster: every Ray endpoint on loopback (token
+    auth is Ray's default for new clusters), no dashboard, and no idle workers prestarted when the
+    driver connects: the raylet would start one per CPU without the job's runtime_env, so no actor
+    of the job can use them, and on a small machine they compete with the start-up for the cores
+    (2-core quick start: 2-5 idle `ray::IDLE` processes during start-up, none used)."""
+    return {"address": "local", "num_cpus": cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2),
+            "num_gpus": cfg.cluster.num_gpus, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+            "_system_config": {"prestart_worker_first_driver": False}}
 
 
 def preflight(cfg: Config) -> None:

@@ -1,0 +1,62 @@
+"""The embedded Ray cluster starts no idle workers the job cannot use (asyncrl.runtime.embedded_ray_options).
+
+Without the option, the raylet prestarts one default worker per CPU when the driver connects; they
+have no runtime_env, so the job's actors (all created under the job's runtime_env) get workers of
+their own and the prestarted ones stay idle while competing for the cores during start-up."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from asyncrl.config import Config
+from asyncrl.runtime import embedded_ray_options
+
+pytestmark = pytest.mark.integration
+
+
+AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def _python_workers(raylet: psutil.Process) -> set[int]:
+    """The raylet's Python worker processes, idle or not: titled `ray::...` once up (`ray::IDLE`,
+    `ray::Probe`), `default_worker.py` while starting; its two agents excluded."""
+    workers = set()
+    for child in raylet.children():
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if (command.startswith("ray::") or "default_worker.py" in command) and not command.startswith(AGENTS):
+            workers.add(child.pid)
+    return workers
+
+
+def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
+    import ray
+
+    cfg = Config.model_validate({"model": {"path": "policy-dir"}, "rollout": {"max_num_batched_tokens": 2048}})
+    options = embedded_ray_options(cfg)
+    assert options["include_dashboard"] is False and options["_node_ip_address"] == "127.0.0.1"
+    ray.init(**options, runtime_env={"env_vars": {"ASYNCRL_TEST_JOB_ENV": "1"}}, logging_level="WARNING",
+             log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=0)
+        class Probe:
+            def pid(self) -> int:
+                return os.getpid()
+
+            def job_env(self) -> str:
+                return os.environ.get("ASYNCRL_TEST_JOB_ENV", "")
+
+        probe = Probe.remote()
+        actor_pid = ray.get(probe.pid.remote(), timeout=120)
+        assert ray.get(probe.job_env.remote(), timeout=60) == "1"  # the job's runtime_env reached the actor
+        raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
+        time.sleep(3)  # a prestart is issued when the driver registers; give it time to show
+        assert _python_workers(raylet) == {actor_pid}  # num_cpus (>= 4) idle workers without the option
+    finally:
+        ray.shutdown()
