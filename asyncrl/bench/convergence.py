@@ -41,7 +41,8 @@ the modes after the first (the baseline, `decoupled`) only at `ASYNCRL_BENCH_SEC
 (default 4,8: where staleness hurts; dropping their η = 1, 2 cells keeps the grid near 2 hours).
 Every cell also reports its mean lag per trained token (`train/version_lag_mean`), drift
 (`train/mismatch_kl` per token, `train/seq_mismatch_kl` per conversation), masked share (`train/is_clipped_frac`: every token the correction zeroed or
-clipped; `train/m2po_masked_frac`, `train/drift_masked_frac`), ESS ((mean w)² / mean w² per step)
+clipped; `train/m2po_masked_frac`, `train/drift_masked_frac`), ESS ((mean w)² / mean w² of the
+sequence weights per step)
 and LR factor (`train/lr_scale`), so a mode that did not hold shows why.
 """
 
@@ -252,9 +253,9 @@ def variance_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def avg(key: str) -> float | None:
         return _mean([r[key] for r in rows if isinstance(r.get(key), (int, float))])
 
-    ess = [r["train/is_weight_mean"] ** 2 / r["train/is_weight_sq_mean"] for r in rows
-           if isinstance(r.get("train/is_weight_sq_mean"), (int, float)) and r["train/is_weight_sq_mean"] > 0
-           and isinstance(r.get("train/is_weight_mean"), (int, float))]
+    ess = [r["train/seq_is_weight_mean"] ** 2 / r["train/seq_is_weight_sq_mean"] for r in rows
+           if isinstance(r.get("train/seq_is_weight_sq_mean"), (int, float)) and r["train/seq_is_weight_sq_mean"] > 0
+           and isinstance(r.get("train/seq_is_weight_mean"), (int, float))]
     return {"lag_mean": avg("train/version_lag_mean"), "seq_drift_mean": avg("train/seq_mismatch_kl"), "masked_frac": avg("train/is_clipped_frac"),
             "m2po_masked_frac": avg("train/m2po_masked_frac"), "drift_masked_frac": avg("train/drift_masked_frac"),
             "ess_mean": _mean(ess), "lr_scale_mean": avg("train/lr_scale"),

@@ -390,7 +390,7 @@ class OffPolicyConfig(Section):
     `train/lag_weight_mean`."""
     lr_scale: Literal["none", "ess", "lag"] = "none"
     """Scale each optimizer step's learning rate: `ess` by the normalised effective sample size
-    (mean w)^2 / mean(w^2) of the step's correction weights (VCPO); `lag` by 1 / (1 + mean lag
+    (mean w)^2 / mean(w^2) of the step's sequence importance weights w = prod_t pi_prox/mu (VCPO); `lag` by 1 / (1 + mean lag
     per token) (the step size shrinking like 1/staleness); logged: `train/lr_scale`."""
     lr_scale_min: float = Field(0.1, gt=0, le=1)
     """Floor of the learning-rate scale (one degenerate batch must not stall training)."""

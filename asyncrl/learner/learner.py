@@ -387,7 +387,7 @@ class LearnerWorker:
         if op.lr_scale == "none":
             return 1.0
         summed = sum_metrics(parts)
-        sums = self._all_reduce(torch.stack([summed["train/is_weight_mean"], summed["train/is_weight_sq_mean"]]))
+        sums = self._all_reduce(torch.stack([summed["train/seq_is_weight_mean"], summed["train/seq_is_weight_sq_mean"]]))
         return step_lr_scale(op, sums, flat.token_versions, flat.response_mask, self.version)
 
     def _scaled_optimizer_step(self, scale: float) -> tuple[bool, float | None]:

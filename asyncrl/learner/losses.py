@@ -59,7 +59,8 @@ original logs "either bound" as `pg_clipfrac_higher` and dual as `pg_clipfrac_lo
 NLL proxy; `loss/kl` is averaged over micro-batches instead of keeping the last micro-batch's value;
 `train/mismatch_kl` = k3 estimate of KL(mu || pi_prox) on the sampled tokens;
 `train/seq_mismatch_kl` = the same summed over each sequence, averaged over sequences (the drift
-of a whole conversation); `train/is_weight_sq_mean` = mean w^2 (with `train/is_weight_mean` the ESS); `train/m2po_masked_frac`,
+of a whole conversation); `train/seq_is_weight_mean` / `_sq_mean` = mean w_i, w_i^2 of the
+sequence weights w_i = prod_t pi_prox/mu (their ESS drives `lr_scale=ess`); `train/is_weight_sq_mean` = mean w^2 (with `train/is_weight_mean` the ESS); `train/m2po_masked_frac`,
 `train/drift_masked_frac` the tokens each mask removed (count 0, so not logged, when it is off).
 
 `logprobs_from_logits` / `entropy_from_logits` take logits divided by the rollout temperature
@@ -116,6 +117,8 @@ METRIC_NAMES: tuple[str, ...] = (
     "train/m2po_masked_frac",
     "train/drift_masked_frac",
     "train/seq_mismatch_kl",
+    "train/seq_is_weight_mean",
+    "train/seq_is_weight_sq_mean",
 )
 _LOG_RATIO_LIMIT = 20.0
 
@@ -344,9 +347,11 @@ def step_lr_scale(config: OffPolicyConfig, weight_sums: Tensor, token_versions: 
                   version: int) -> float:
     """Learning-rate factor of one optimizer step (`off_policy.lr_scale`), floored at `lr_scale_min`.
 
-    `weight_sums` = [[sum w, n], [sum w^2, n]] of the step's trained tokens over all ranks (the
-    `train/is_weight_mean` and `train/is_weight_sq_mean` metric pairs). `ess`: (mean w)^2 /
-    mean(w^2) (VCPO: a step whose weights are carried by few tokens moves less); `lag`:
+    `weight_sums` = [[sum w, n], [sum w^2, n]] of the step's sequence importance weights
+    w_i = prod_t pi_prox/mu over all ranks (the `train/seq_is_weight_mean` and
+    `train/seq_is_weight_sq_mean` metric pairs). `ess`: (mean w)^2 / mean(w^2) (VCPO: a step
+    whose weight is carried by few sequences moves less; per-token weights stay ~1 at small lag,
+    a conversation's product does not); `lag`:
     1 / (1 + mean lag per trained token), lag = version - token version (stability needs the step
     size to shrink like 1/staleness). Adam's update is invariant to the loss scale, hence the LR."""
     if config.lr_scale == "none":
@@ -475,10 +480,13 @@ def policy_loss(
         mismatch = tok(torch.exp(d) - d - 1.0)
         trained_seqs = mask.sum(dim=1) > 0
         seq_drift = sequence_drift(logp_proximal, logp_behaviour, mask)
-        seq_mismatch = torch.stack([seq_drift[trained_seqs].sum(), trained_seqs.sum().float()]).double()
+        n_seq = trained_seqs.sum().float()
+        seq_mismatch = torch.stack([seq_drift[trained_seqs].sum(), n_seq]).double()
+        seq_w = torch.exp((d * mask).sum(dim=1).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))[trained_seqs]
+        seq_w_mean, seq_w_sq = (torch.stack([x.sum(), n_seq]).double() for x in (seq_w, seq_w * seq_w))
     else:
         mismatch = torch.zeros(2, dtype=torch.float64, device=mask.device)
-        seq_mismatch = mismatch
+        seq_mismatch = seq_w_mean = seq_w_sq = mismatch
     metrics = {
         "loss/total": share_of(loss, share),
         "loss/pg": share_of(pg, share),
@@ -496,6 +504,8 @@ def policy_loss(
         "train/mismatch_kl": mismatch,
         "train/is_weight_sq_mean": tok(weight * weight),
         "train/seq_mismatch_kl": seq_mismatch,
+        "train/seq_is_weight_mean": seq_w_mean,
+        "train/seq_is_weight_sq_mean": seq_w_sq,
         **_mask_metrics(logp_proximal, logp_behaviour, mask, config.off_policy),
     }
     return loss, metrics

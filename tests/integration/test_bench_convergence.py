@@ -134,9 +134,9 @@ def test_variance_grid_plan_and_mode_specs(monkeypatch: pytest.MonkeyPatch) -> N
 def test_variance_figures_explain_a_cell() -> None:
     # two steps: ESS per step = (mean w)^2 / mean w^2: 0.9^2 / 0.9 = 0.9 and 1 / 1 = 1 -> mean 0.95
     rows = [{"train/version_lag_mean": 3.0, "train/is_clipped_frac": 0.1, "train/m2po_masked_frac": 0.02,
-             "train/is_weight_mean": 0.9, "train/is_weight_sq_mean": 0.9, "train/lr_scale": 0.5},
+             "train/seq_is_weight_mean": 0.9, "train/seq_is_weight_sq_mean": 0.9, "train/lr_scale": 0.5},
             {"train/version_lag_mean": 5.0, "train/is_clipped_frac": 0.3, "train/m2po_masked_frac": 0.04,
-             "train/is_weight_mean": 1.0, "train/is_weight_sq_mean": 1.0, "train/lr_scale": 0.7}]
+             "train/seq_is_weight_mean": 1.0, "train/seq_is_weight_sq_mean": 1.0, "train/lr_scale": 0.7}]
     f = cv.variance_figures(rows)
     assert f["lag_mean"] == pytest.approx(4.0) and f["masked_frac"] == pytest.approx(0.2)
     assert f["m2po_masked_frac"] == pytest.approx(0.03) and f["ess_mean"] == pytest.approx(0.95)

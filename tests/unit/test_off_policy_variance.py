@@ -131,6 +131,9 @@ def test_drift_budget_composes_with_decoupled():
     assert f["train/drift_masked_frac"] == pytest.approx(0.5)
     # conversation drift, mean over the 2 sequences: (0.0103418 + 0.1487213) / 2
     assert f["train/seq_mismatch_kl"] == pytest.approx((2 * (math.exp(0.1) - 1.1) + math.exp(0.5) - 1.5) / 2, abs=1e-6)
+    # sequence weights w_i = e^(sum_t d): e^0.2, e^0.5 -> mean (1.221403 + 1.648721) / 2, mean square (e^0.4 + e^1) / 2
+    assert f["train/seq_is_weight_mean"] == pytest.approx((math.exp(0.2) + math.exp(0.5)) / 2, abs=1e-6)
+    assert f["train/seq_is_weight_sq_mean"] == pytest.approx((math.exp(0.4) + math.exp(1.0)) / 2, abs=1e-6)
 
 
 # ------------------------------------------------------------------------- ESS and the LR factor
@@ -145,7 +148,7 @@ def test_effective_sample_size():
 def test_step_lr_scale_ess_lag_and_floor():
     versions = torch.tensor([[3, 3, -1], [4, 4, 4]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    # ess: 4 tokens, sum w = 2, sum w^2 = 4 (w = [2, 0, 0, 0]) -> (0.5)^2 / 1 = 0.25
+    # ess: 4 sequences, sum w = 2, sum w^2 = 4 (w = [2, 0, 0, 0]) -> (0.5)^2 / 1 = 0.25
     sums = torch.tensor([[2.0, 4.0], [4.0, 4.0]], dtype=torch.float64)
     assert step_lr_scale(OffPolicyConfig(mode="tis", lr_scale="ess"), sums, versions, mask, 5) == pytest.approx(0.25)
     # floor 0.5 wins over 0.25
