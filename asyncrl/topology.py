@@ -106,7 +106,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     pending: dict[str, Future] = {"weight store": background.submit(start_weight_store, namespace)}
     if cfg.rollout.guide.enable:
         pending["verifier"] = background.submit(_deploy_and_probe, cfg)
-        say(f"starting {verifier_step} and the weight store in the background ...")
+    say(f"starting {' and '.join(pending)} in the background ...")
     try:
         with step_timer("data"):
             rows = load_training_rows(cfg)
@@ -140,7 +140,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
                 say(f"  buffer restored from {snap}: {restored} group(s)")
         if cfg.rollout.guide.enable:  # before the engines: a rollout actor looks the application up when built
             with step_timer(verifier_step):
-                topo.verifier = pending.pop("verifier").result(timeout=timeout)
+                topo.verifier = pending["verifier"].result(timeout=timeout)
+                del pending["verifier"]  # kept until then: a failed wait still stops what it started
         else:  # nothing would call it (no Serve controller and proxy competing for the CPUs either)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
@@ -155,7 +156,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         if launched is not None:
             say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the learner starts")
         with step_timer("weight store"):
-            topo.weight_store = pending.pop("weight store").result(timeout=timeout)
+            topo.weight_store = pending["weight store"].result(timeout=timeout)
+            del pending["weight store"]
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
             topo.learner = LearnerGroup(cfg, placement=topo.learner_placement)
             topo.learner_placement = None  # the learner group owns it now
