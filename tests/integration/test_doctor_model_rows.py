@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~40 s (an embedded Ray cluster for the node rows): slow tier
 
 ROOT = Path(__file__).resolve().parents[2]
 
