@@ -290,6 +290,18 @@ def _group_update(s, model, version: int, timeout_s: float = 5.0, bucket_mb: flo
         sender.close()
 
 
+@contextlib.contextmanager
+def _streamed(s, session: str):
+    """Streaming mode (the GPU default) forced on the CPU engine for one test, inside a Ray session;
+    the engine goes back to buffered rounds afterwards, also on failure."""
+    s.engine.weight_buffered = False
+    try:
+        with ray_session(session):
+            yield
+    finally:
+        s.engine.weight_buffered = True
+
+
 def _events_since_last_pause(engine) -> list[str]:
     names = [w for _, w in engine.load_events]
     return names[len(names) - 1 - names[::-1].index("pause"):]
@@ -301,9 +313,7 @@ def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(
     # reload the newest full version from the WeightStore inside the same pause, produce no
     # token in between, resume on exactly the store's weights and report the version it holds.
     s = setup
-    s.engine.weight_buffered = False
-    with ray_session("test-engine-safe-load"), contextlib.ExitStack() as done:
-        done.callback(setattr, s.engine, "weight_buffered", True)
+    with _streamed(s, "test-engine-safe-load"):
         stored = perturbed(s.hf, 0.05, seed=21)
         _publish(s, stored, 20)
         s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
@@ -360,9 +370,7 @@ def test_round_failing_inside_a_fused_projection_leaves_every_parameter_as_the_s
     # qkv_proj kept its buffered q_proj into the store reload, counted it twice, was processed
     # before k and v arrived (their rows never written) and dropped them as "excessive loading".
     s = setup
-    s.engine.weight_buffered = False
-    with ray_session("test-engine-fused"), contextlib.ExitStack() as done:
-        done.callback(setattr, s.engine, "weight_buffered", True)
+    with _streamed(s, "test-engine-fused"):
         stored = perturbed(s.hf, 0.05, seed=41)
         _publish(s, stored, 40)
         assert s.lt.run(s.engine.load_weights_from_store(min_version=-1))["status"] == "ok"
@@ -389,9 +397,7 @@ def test_paused_engine_keeps_catching_up_until_the_store_has_a_version(setup):
     import time as _t
 
     s = setup
-    s.engine.weight_buffered = False
-    with ray_session("test-engine-catch-up"), contextlib.ExitStack() as done:
-        done.callback(setattr, s.engine, "weight_buffered", True)
+    with _streamed(s, "test-engine-catch-up"):
         s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
         res = _group_update(s, perturbed(s.hf, 0.05, seed=51), 51)
         assert res["status"] == "paused_unsafe" and res["recovered"]["status"] == "no_store" and s.engine.unsafe
