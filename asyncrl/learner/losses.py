@@ -71,8 +71,8 @@ is kept alive between forward and backward (measured on CPU: as fast as log_soft
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -395,57 +395,130 @@ def policy_loss(
     `config.kl.enable` and `config.kl.mode == "loss"` (given otherwise, `loss/kl` is logged
     only). `kl_coef` overrides `config.kl.coef` (pass the controller's value). `entropy` (from
     `entropy_from_logits`) is required when `config.entropy_coef > 0`, logged when given.
+    The steps follow the module doc's numbered list, one function each.
     """
     mask = response_mask.float()
     logp = logp.float()
     adv = advantages.detach().float()
-    mode = config.off_policy.mode
+    anchor = _anchor(logp_proximal, logp_behaviour, config.off_policy.mode)
+    weight, clipped_is = off_policy_weights(logp_proximal, logp_behaviour, mask, config.off_policy)
+    ell = _log_ratio(logp, anchor, mask, config.loss_type)
+    if config.loss_type == "cispo":
+        surrogate = _cispo_surrogate(ell, logp, adv, mask, config)
+    else:
+        surrogate = _ppo_surrogate(ell, adv, config)
+    per_token = surrogate.per_token * weight
+
+    def agg(x: Tensor) -> tuple[Tensor, Tensor]:
+        return _aggregate(x, mask, config.loss_avg_mode, global_num_tokens, global_num_seqs, norm_length)
+
+    terms = _loss_terms(agg, per_token, logp, mask, config, logp_ref, entropy, kl_coef)
+    metrics = {
+        **_loss_share_metrics(terms, mask, has_ref=logp_ref is not None, has_entropy=entropy is not None),
+        "train/clipfrac_high": _token_metric(surrogate.clip_high, mask),
+        "train/clipfrac_low": _token_metric(surrogate.clip_low, mask),
+        "train/clipfrac_dual": _token_metric(surrogate.clip_dual, mask),
+        "train/ppo_kl": _token_metric(anchor - logp, mask),
+        "train/is_weight_mean": _token_metric(weight, mask),
+        "train/is_clipped_frac": _token_metric(clipped_is, mask),
+        "train/entropy": _token_metric(entropy, mask)
+        if entropy is not None
+        else torch.zeros(2, dtype=torch.float64, device=mask.device),
+        "train/is_weight_sq_mean": _token_metric(weight * weight, mask),
+        **_drift_metrics(logp_proximal, logp_behaviour, mask),
+        **_mask_metrics(logp_proximal, logp_behaviour, mask, config.off_policy),
+    }
+    return terms.loss, metrics
+
+
+def _anchor(logp_proximal: Tensor | None, logp_behaviour: Tensor | None, mode: str) -> Tensor:
+    """Step 1's centre of the trust region, detached: pi_prox, or mu in `bypass` mode (which
+    skips the proximal recompute). Missing log-probs fail here, naming the one the mode needs."""
     anchor = logp_behaviour if mode == "bypass" else logp_proximal
     if anchor is None:
         raise ValueError(
             f"off_policy.mode={mode} needs {'logp_behaviour' if mode == 'bypass' else 'logp_proximal'}"
         )
-    anchor = anchor.detach().float()
-    weight, clipped_is = off_policy_weights(logp_proximal, logp_behaviour, mask, config.off_policy)
+    return anchor.detach().float()
 
-    # 1. log importance ratio against the anchor
+
+def _log_ratio(logp: Tensor, anchor: Tensor, mask: Tensor, loss_type: str) -> Tensor:
+    """Step 1's l_t: per token for ppo/cispo; gspo replaces it with the sequence's masked mean
+    s_i (one ratio per sequence, so a long response is not clipped token by token); gspo_token
+    keeps s_i's value but routes the gradient through each token (sg(s_i) + logp - sg(logp))."""
     log_ratio = (logp - anchor) * mask
-    if config.loss_type in ("gspo", "gspo_token"):
-        seq = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
-        if config.loss_type == "gspo":
-            ell = seq.expand_as(logp) * mask
-        else:
-            ell = seq.detach() + logp - logp.detach()
-    else:
-        ell = log_ratio
+    if loss_type not in ("gspo", "gspo_token"):
+        return log_ratio
+    seq = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+    if loss_type == "gspo":
+        return seq.expand_as(logp) * mask
+    return seq.detach() + logp - logp.detach()
 
-    # 2. per-token surrogate
-    zeros = torch.zeros_like(mask)
-    if config.loss_type == "cispo":
-        lo = _log1p_bound(-config.cispo_eps_low) if config.cispo_eps_low is not None else -math.inf
-        hi = math.log1p(config.cispo_eps_high)
-        is_weight = torch.exp(ell.detach().clamp(min=max(lo, -_LOG_RATIO_LIMIT), max=hi))
-        per_token = -adv * is_weight * logp
-        clip_high, clip_low, clip_dual = (ell > hi).float(), (ell < lo).float(), zeros
-    else:
-        lo, hi = _log1p_bound(-config.clip_eps_low), math.log1p(config.clip_eps_high)
-        ratio = torch.exp(ell.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
-        cratio = torch.exp(ell.clamp(lo, hi))
-        loss_clip = torch.maximum(-adv * ratio, -adv * cratio)
-        loss_dual = -adv * config.clip_ratio_dual
-        negative = adv < 0
-        per_token = torch.where(negative, torch.minimum(loss_clip, loss_dual), loss_clip)
-        clip_high = ((adv > 0) & (ell > hi)).float()
-        clip_low = (negative & (ell < lo)).float()
-        clip_dual = (negative & (loss_clip > loss_dual)).float()
-    per_token = per_token * weight
 
-    # 3. aggregation and extra terms
-    avg = config.loss_avg_mode
+class _Surrogate(NamedTuple):
+    """Step 2's per-token loss and the 0/1 indicators behind the `train/clipfrac_*` metrics."""
 
-    def agg(x: Tensor) -> tuple[Tensor, Tensor]:
-        return _aggregate(x, mask, avg, global_num_tokens, global_num_seqs, norm_length)
+    per_token: Tensor
+    clip_high: Tensor
+    clip_low: Tensor
+    clip_dual: Tensor
 
+
+def _cispo_surrogate(
+    ell: Tensor, logp: Tensor, adv: Tensor, mask: Tensor, config: LearnerConfig
+) -> _Surrogate:
+    """CISPO: -A sg(clamped ratio) logp. The clamp only bounds the detached weight, so every
+    token keeps a gradient (unlike PPO's clip, which zeroes it); no lower bound when
+    `cispo_eps_low` is None, as the paper means it."""
+    lo = _log1p_bound(-config.cispo_eps_low) if config.cispo_eps_low is not None else -math.inf
+    hi = math.log1p(config.cispo_eps_high)
+    is_weight = torch.exp(ell.detach().clamp(min=max(lo, -_LOG_RATIO_LIMIT), max=hi))
+    per_token = -adv * is_weight * logp
+    return _Surrogate(per_token, (ell > hi).float(), (ell < lo).float(), torch.zeros_like(mask))
+
+
+def _ppo_surrogate(ell: Tensor, adv: Tensor, config: LearnerConfig) -> _Surrogate:
+    """PPO's asymmetric clip max(-A ratio, -A cratio) plus the dual clip min(L, -A c) for A < 0,
+    which caps how far one negative-advantage token with a huge ratio can push the step. The
+    unclipped ratio's log is clamped to +-20 so that e^l stays finite."""
+    lo, hi = _log1p_bound(-config.clip_eps_low), math.log1p(config.clip_eps_high)
+    ratio = torch.exp(ell.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+    cratio = torch.exp(ell.clamp(lo, hi))
+    loss_clip = torch.maximum(-adv * ratio, -adv * cratio)
+    loss_dual = -adv * config.clip_ratio_dual
+    negative = adv < 0
+    per_token = torch.where(negative, torch.minimum(loss_clip, loss_dual), loss_clip)
+    return _Surrogate(
+        per_token,
+        ((adv > 0) & (ell > hi)).float(),
+        (negative & (ell < lo)).float(),
+        (negative & (loss_clip > loss_dual)).float(),
+    )
+
+
+class _Terms(NamedTuple):
+    """Step 4's aggregated parts, kept apart so that each `loss/*` metric reports its own."""
+
+    loss: Tensor
+    pg: Tensor
+    share: Tensor  # this micro-batch's share of the normaliser
+    kl: Tensor
+    entropy: Tensor
+
+
+def _loss_terms(
+    agg: Callable[[Tensor], tuple[Tensor, Tensor]],
+    per_token: Tensor,
+    logp: Tensor,
+    mask: Tensor,
+    config: LearnerConfig,
+    logp_ref: Tensor | None,
+    entropy: Tensor | None,
+    kl_coef: float | None,
+) -> _Terms:
+    """Step 4: loss = agg(w L) + beta agg(kl) - entropy_coef agg(H), every term through the same
+    `agg` so that all of them share one normaliser and stay exact under any micro-batch split.
+    The KL is aggregated (for `loss/kl`) whenever `logp_ref` is given, added only in loss mode."""
     pg, share = agg(per_token)
     loss = pg
     kl_value = torch.zeros((), device=mask.device)
@@ -462,53 +535,63 @@ def policy_loss(
         loss = loss - config.entropy_coef * ent_value
     elif config.entropy_coef > 0:
         raise ValueError("entropy_coef > 0 needs the entropy tensor (entropy_from_logits)")
+    return _Terms(loss, pg, share, kl_value, ent_value)
 
-    # 4. metrics as [sum, count]
-    n_tok = mask.sum()
+
+def _token_metric(x: Tensor, mask: Tensor) -> Tensor:
+    """[sum over trained tokens, trained tokens] (float64), the per-token metrics' form."""
+    return torch.stack([(x.detach().float() * mask).sum(), mask.sum()]).double()
+
+
+def _loss_share_metrics(
+    terms: _Terms, mask: Tensor, *, has_ref: bool, has_entropy: bool
+) -> dict[str, Tensor]:
+    """`loss/*` as [this share's value, this share of the normaliser]: summed over micro-batches
+    and ranks the count is 1, so sum / count is the exact full-batch loss. A term that was not
+    computed gets count 0 and is left out of the finalised metrics."""
     no_count = torch.zeros((), device=mask.device)
 
-    def tok(x: Tensor) -> Tensor:
-        return torch.stack([(x.detach().float() * mask).sum(), n_tok]).double()
-
-    def share_of(value: Tensor, count: Tensor) -> Tensor:  # value is already this share's part
+    def share_of(value: Tensor, count: Tensor) -> Tensor:
         return torch.stack([value.detach().float(), count]).double()
 
-    if logp_proximal is not None and logp_behaviour is not None:
-        d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(
-            -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
-        )
-        mismatch = tok(torch.exp(d) - d - 1.0)
-        trained_seqs = mask.sum(dim=1) > 0
-        seq_drift = sequence_drift(logp_proximal, logp_behaviour, mask)
-        n_seq = trained_seqs.sum().float()
-        seq_mismatch = torch.stack([seq_drift[trained_seqs].sum(), n_seq]).double()
-        seq_w = torch.exp((d * mask).sum(dim=1).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))[trained_seqs]
-        seq_w_mean, seq_w_sq = (torch.stack([x.sum(), n_seq]).double() for x in (seq_w, seq_w * seq_w))
-    else:
-        mismatch = torch.zeros(2, dtype=torch.float64, device=mask.device)
-        seq_mismatch = seq_w_mean = seq_w_sq = mismatch
-    metrics = {
-        "loss/total": share_of(loss, share),
-        "loss/pg": share_of(pg, share),
-        "loss/kl": share_of(kl_value, share if logp_ref is not None else no_count),
-        "loss/entropy": share_of(ent_value, share if entropy is not None else no_count),
-        "train/clipfrac_high": tok(clip_high),
-        "train/clipfrac_low": tok(clip_low),
-        "train/clipfrac_dual": tok(clip_dual),
-        "train/ppo_kl": tok(anchor - logp),
-        "train/is_weight_mean": tok(weight),
-        "train/is_clipped_frac": tok(clipped_is),
-        "train/entropy": tok(entropy)
-        if entropy is not None
-        else torch.zeros(2, dtype=torch.float64, device=mask.device),
-        "train/mismatch_kl": mismatch,
-        "train/is_weight_sq_mean": tok(weight * weight),
-        "train/seq_mismatch_kl": seq_mismatch,
-        "train/seq_is_weight_mean": seq_w_mean,
-        "train/seq_is_weight_sq_mean": seq_w_sq,
-        **_mask_metrics(logp_proximal, logp_behaviour, mask, config.off_policy),
+    return {
+        "loss/total": share_of(terms.loss, terms.share),
+        "loss/pg": share_of(terms.pg, terms.share),
+        "loss/kl": share_of(terms.kl, terms.share if has_ref else no_count),
+        "loss/entropy": share_of(terms.entropy, terms.share if has_entropy else no_count),
     }
-    return loss, metrics
+
+
+_DRIFT_METRICS = (
+    "train/mismatch_kl",
+    "train/seq_mismatch_kl",
+    "train/seq_is_weight_mean",
+    "train/seq_is_weight_sq_mean",
+)
+
+
+def _drift_metrics(
+    logp_proximal: Tensor | None, logp_behaviour: Tensor | None, mask: Tensor
+) -> dict[str, Tensor]:
+    """How far mu lags pi_prox, per token (`train/mismatch_kl`, k3) and per sequence (summed
+    drift, and the moments of the sequence weights prod_t pi_prox/mu that `lr_scale=ess` reads).
+    All [0, 0] (not logged) when either log-prob is missing."""
+    if logp_proximal is None or logp_behaviour is None:
+        zero = torch.zeros(2, dtype=torch.float64, device=mask.device)
+        return {name: zero for name in _DRIFT_METRICS}
+    d = (logp_proximal.detach().float() - logp_behaviour.detach().float()).clamp(
+        -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
+    )
+    trained_seqs = mask.sum(dim=1) > 0
+    seq_drift = sequence_drift(logp_proximal, logp_behaviour, mask)
+    n_seq = trained_seqs.sum().float()
+    seq_w = torch.exp((d * mask).sum(dim=1).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))[trained_seqs]
+    return {
+        "train/mismatch_kl": _token_metric(torch.exp(d) - d - 1.0, mask),
+        "train/seq_mismatch_kl": torch.stack([seq_drift[trained_seqs].sum(), n_seq]).double(),
+        "train/seq_is_weight_mean": torch.stack([seq_w.sum(), n_seq]).double(),
+        "train/seq_is_weight_sq_mean": torch.stack([(seq_w * seq_w).sum(), n_seq]).double(),
+    }
 
 
 def _mask_metrics(
