@@ -2,9 +2,9 @@
 
 Read `build_topology` top to bottom to see every component of a job and the order they start in:
 the weight store and the verifier service (in the background, from the first moment), data,
-coordinator and replay buffer (their processes started together), verifier service (waited for),
-the learner's placement (reserved before any engine), rollout fleet (launched), weight store
-(waited for), learner group, weight sender (publishing version 0), rollout fleet (joined) and, on
+coordinator and replay buffer (their processes started together), the learner's placement
+(reserved before any engine), rollout fleet (launched), weight store (waited for), learner group,
+weight sender (publishing version 0), verifier service (waited for), rollout fleet (joined) and, on
 resume, a first weight broadcast. Each step is timed and a step that cannot start fails
 the launch with its name (asyncrl.startup.StartupError), with everything already started torn
 down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
@@ -138,11 +138,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             if snap is not None and snap.exists():
                 restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
                 say(f"  buffer restored from {snap}: {restored} group(s)")
-        if cfg.rollout.guide.enable:  # before the engines: a rollout actor looks the application up when built
-            with step_timer(verifier_step):
-                topo.verifier = pending["verifier"].result(timeout=timeout)
-                del pending["verifier"]  # kept until then: a failed wait still stops what it started
-        else:  # nothing would call it (no Serve controller and proxy competing for the CPUs either)
+        if not cfg.rollout.guide.enable:  # nothing would call it (no Serve processes competing for the CPUs)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
         # the nodes the engines left (ZeRO collectives then cross the inter-node link).
@@ -172,6 +168,10 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             say(f"  weight rendezvous at {topo.weight_address}")
             if version == 0:  # no members yet: publishes version 0 only, so the store is never empty
                 publish_initial_weights(topo.learner)
+        if cfg.rollout.guide.enable:  # waited for while the engines build: an actor looks it up at its first request
+            with step_timer(verifier_step):
+                topo.verifier = pending["verifier"].result(timeout=timeout)
+                del pending["verifier"]  # kept until then: a failed wait still stops what it started
         with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
             if launched is not None:
                 topo.fleet.join(launched, timeout)

@@ -65,15 +65,13 @@ class VerifierClient:
     def __init__(self, cfg: VerifierConfig, handle: Any = None, base_url: str | None = None, *,
                  app_name: str | None = None, api_key: str | None = None, seed: int | None = None):
         """`handle`: a Serve DeploymentHandle of the verifier app (in-cluster), or `app_name` to
-        look that handle up (`serve.get_app_handle`); otherwise HTTP to `base_url` (default
-        `http://{cfg.host}:{cfg.port}/v1`) with `api_key` (default: the service's `cfg.api_key`).
-        `seed` seeds the backoff jitter only."""
+        look that handle up (`serve.get_app_handle`) at the first request, so a client may be built
+        before the application runs (a rollout actor's engine builds while Serve deploys it);
+        otherwise HTTP to `base_url` (default `http://{cfg.host}:{cfg.port}/v1`) with `api_key`
+        (default: the service's `cfg.api_key`). `seed` seeds the backoff jitter only."""
         self.cfg = cfg
-        if handle is None and base_url is None and app_name is not None:
-            from ray import serve
-
-            handle = serve.get_app_handle(app_name)
         self.handle = handle
+        self._app_name = app_name if handle is None and base_url is None else None
         if base_url is None:
             from asyncrl.addresses import bind_and_advertise
 
@@ -181,14 +179,32 @@ class VerifierClient:
             self._sem = asyncio.Semaphore(self.cfg.client.max_concurrency)
             self._http = None
 
+    @property
+    def in_cluster_transport(self) -> bool:
+        """True when requests go through a Serve handle (given, or looked up by app name)."""
+        return self.handle is not None or self._app_name is not None
+
     async def _send(self, body: dict[str, Any], remaining: float) -> dict[str, Any]:
-        if self.handle is not None:
+        if self.in_cluster_transport:
             return await self._send_handle(body)
         return await self._send_http(body, remaining)
 
+    async def _app_handle(self) -> Any:
+        """The handle, looked up once by app name (in a thread: the lookup blocks on Serve's
+        controller). An application that does not run yet is a retryable failure."""
+        if self.handle is None:
+            from ray import serve
+
+            try:
+                self.handle = await asyncio.to_thread(serve.get_app_handle, self._app_name)
+            except Exception as exc:  # not deployed (yet), or Serve not running
+                raise _Retryable(f"no Serve application {self._app_name!r}: {type(exc).__name__}: {exc}") from None
+        return self.handle
+
     async def _send_handle(self, body: dict[str, Any]) -> dict[str, Any]:
+        handle = await self._app_handle()
         try:
-            reply = await self.handle.chat.remote(body)
+            reply = await handle.chat.remote(body)
         except Exception as exc:  # replica died, back-pressure, app being replaced: retry
             raise _Retryable(f"handle call failed: {type(exc).__name__}: {exc}") from None
         return _check_reply(reply, 200)
