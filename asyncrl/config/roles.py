@@ -243,6 +243,10 @@ class VerifierConfig(Section):
     verifier through Serve handles, not this port."""
     port: int = Field(8000, ge=0, le=65535)
     """HTTP port of the ingress; 0 = a free one (from `cluster.port_range` when set)."""
+    ingress: bool = True
+    """Run the HTTP ingress (Serve's proxy) for clients outside the job; false = Serve without
+    proxies (`host`/`port` unused): the rollout actors' Serve handles do not need it, and a job
+    without outside clients saves the proxy's process and its start-up CPU."""
     api_key: str = ""
     """If set, the ingress requires `Authorization: Bearer <key>`; `env:NAME` reads the environment."""
     http: VerifierHTTPConfig = Field(default_factory=VerifierHTTPConfig)

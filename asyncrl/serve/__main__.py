@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     add_config_args(parser)
     args = parser.parse_args(argv)
     cfg = config_from_args(args, require_files=False)
+    if not cfg.verifier.ingress:
+        print("error: verifier.ingress=false: the service alone is reached only over HTTP; set it true",
+              file=sys.stderr)
+        return 2
 
     import ray
 

@@ -1,7 +1,8 @@
 """Deploy the verifier application and swap its version live.
 
 `deploy_verifier(cfg)` starts Serve's HTTP proxy on `verifier.host:verifier.port` (if Serve is not
-running yet) and runs the `verifier` application; it returns the application's handle.
+running yet; none with `verifier.ingress=false`) and runs the `verifier` application; it returns
+the application's handle.
 
 `swap_verifier(new_cfg)` replaces the running version by Ray Serve's rolling update of the one
 `Verifier` deployment. Guarantees (what the tests check):
@@ -88,7 +89,7 @@ def head_node_ip() -> str:
 
 def resolve_port(cfg: VerifierConfig, port_range: str | None = None) -> VerifierConfig:
     """`port=0` -> a free port (from `port_range` when set; Serve's proxy needs a concrete one)."""
-    if cfg.port != 0:
+    if cfg.port != 0 or not cfg.ingress:
         return cfg
     bind = "127.0.0.1" if is_loopback(bind_and_advertise(cfg.host)[0]) else "0.0.0.0"
     return cfg.model_copy(update={"port": free_port(bind, port_range)})
@@ -97,9 +98,13 @@ def resolve_port(cfg: VerifierConfig, port_range: str | None = None) -> Verifier
 def start_serve(cfg: VerifierConfig) -> VerifierConfig:
     """Start Serve (controller + HTTP proxy on the ingress address) unless it runs already; returns
     `cfg` with `host` = the advertised address. One Ray cluster has one Serve: if Serve already
-    runs, its host/port stay (Serve logs a warning)."""
+    runs, its host/port stay (Serve logs a warning). `ingress=False`: the controller only, no proxy
+    (Serve's `proxy_location=Disabled`); the application is reached through handles."""
     from ray import serve
 
+    if not cfg.ingress:
+        serve.start(proxy_location="Disabled", logging_config=serve_logging_config())
+        return cfg
     bind, advertise, location = ingress_hosts(cfg)
     serve.start(http_options={"host": bind, "port": cfg.port}, logging_config=serve_logging_config(),
                 **({"proxy_location": location} if location else {}))
@@ -127,8 +132,9 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
 
 
 def verifier_url(name: str = APP_NAME, route_prefix: str = "/") -> str | None:
-    """OpenAI base URL of an application this process deployed (None if it deployed none)."""
-    if name not in _DEPLOYED:
+    """OpenAI base URL of an application this process deployed (None if it deployed none, or
+    without an HTTP ingress)."""
+    if name not in _DEPLOYED or not _DEPLOYED[name][0].ingress:
         return None
     c = _DEPLOYED[name][0]
     return f"http://{c.host}:{c.port}{route_prefix.rstrip('/')}/v1"
