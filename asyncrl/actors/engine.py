@@ -473,9 +473,6 @@ class PolicyEngine:
             log.info("prefix cache reset refused (blocks in use); the version salt keeps old blocks unused")
         return bool(ok)
 
-    async def param_sums(self) -> dict[str, float]:
-        return (await self.llm.collective_rpc("asyncrl_param_sums"))[0]
-
     def shutdown(self) -> None:
         self.llm.shutdown()
         if self.adapters is not None:

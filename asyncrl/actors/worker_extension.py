@@ -44,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from asyncrl.weights.receiver import WeightReceiver, readback_mismatches
+from asyncrl.weights.receiver import RoundHook, WeightReceiver, readback_mismatches
 from asyncrl.weights.wire import NamedTensor
 
 log = logging.getLogger(__name__)
@@ -83,15 +83,12 @@ def retie_head(model: Any) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any], faults: dict[str, Any]) -> None:
+def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any]) -> None:
     """After an "ok" round: what the model holds against what arrived (`readback_mismatches`);
     a mismatch turns `result` into status "fingerprint_mismatch" with `touched` set."""
     if result["status"] != "ok":
         return
-    if faults.get("readback", 0) > 0:  # tests: a load that silently left a wrong value
-        faults["readback"] -= 1
-        with torch.no_grad():
-            dict(model.named_parameters())["model.norm.weight"].view(-1)[:].add_(1.0)
+    receiver.hook.model_loaded(model)
     t = time.perf_counter()
     bad, checked = readback_mismatches(model, receiver.samples)
     result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
@@ -108,12 +105,17 @@ class WeightReceiverExtension:
     """vLLM worker extension: `collective_rpc("asyncrl_receive_weights", args=(address, prefix,
     timeout_s))`. Members are named `{prefix}/tp{rank}`. Returns the receiver's result dict."""
 
+    # the seam of every receiver this worker makes (`RoundHook`; this default does nothing); prefixed,
+    # as every name here, because vLLM mixes this class into its own worker class
+    asyncrl_round_hook: RoundHook = RoundHook()
+
     def _asyncrl_receiver(self, address: str, prefix: str, timeout_s: float) -> WeightReceiver:
         receivers = self.__dict__.setdefault("_asyncrl_receivers", {})
         key = (address, prefix)
         if key not in receivers:
             receivers[key] = WeightReceiver(address, f"{prefix}/tp{getattr(self, 'rank', 0)}", timeout_s,
-                                            _receiver_device(getattr(self, "device", None)))
+                                            _receiver_device(getattr(self, "device", None)),
+                                            hook=self.asyncrl_round_hook)
         return receivers[key]
 
     def asyncrl_receive_weights(self, address: str, prefix: str, timeout_s: float,
@@ -123,20 +125,10 @@ class WeightReceiverExtension:
         part of the round: the caller must reload a full version before generating) and
         `fingerprint_mismatch` (tensors whose sampled elements disagree)."""
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
-        faults = self._asyncrl_faults()
-        if faults.get("receiver"):
-            receiver.fault = faults.pop("receiver")
         result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
         result.pop("tensors", None)
-        verify_load(self.model_runner.get_model(), receiver, result, faults)
+        verify_load(self.model_runner.get_model(), receiver, result)
         return result
-
-    def _asyncrl_faults(self) -> dict[str, Any]:
-        faults = self.__dict__.setdefault("_asyncrl_fault_box", {})
-        engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(engine, AsyncrlTransferEngine):
-            engine.faults = faults  # the native path sees the same injected faults
-        return faults
 
     def asyncrl_native_result(self) -> dict[str, Any]:
         """The native path's result of the round `finish_weight_update` just closed."""
@@ -146,28 +138,8 @@ class WeightReceiverExtension:
                                "WeightTransferConfig(backend='asyncrl')")
         return engine.take_result()
 
-    def asyncrl_inject_fault(self, kind: str, count: int = 1) -> None:
-        """Tests only: "fail_mid_stream" / "corrupt_wire" break the next received round;
-        "readback" perturbs model.norm.weight after each of the next `count` loads."""
-        faults = self._asyncrl_faults()
-        if kind == "readback":
-            faults["readback"] = count
-        else:
-            faults["receiver"] = kind
-
     def asyncrl_close_receiver(self, address: str, prefix: str) -> None:
         self.__dict__.get("_asyncrl_receivers", {}).pop((address, prefix), None)
-
-    def asyncrl_param_digests(self) -> dict[str, str]:
-        """SHA-256 of every parameter's bytes (tests: is the model bit-identical to a version)."""
-        import hashlib
-
-        return {n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                for n, p in self.model_runner.get_model().named_parameters()}
-
-    def asyncrl_param_sums(self) -> dict[str, float]:
-        """Sum of every parameter (tests: did the update reach the model at all)."""
-        return {n: float(p.detach().double().sum()) for n, p in self.model_runner.get_model().named_parameters()}
 
 
 # ---- the native path: vLLM's weight-transfer lifecycle over asyncrl's bounded weight group ----
@@ -210,7 +182,7 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receivers: dict[tuple[str, str], WeightReceiver] = {}
-        self.faults: dict[str, Any] = {}
+        self.round_hook = RoundHook()  # the receivers' seam, as on the extension path
         self._round: tuple[WeightReceiver | None, dict[str, Any]] | None = None
         self._result: dict[str, Any] | None = None
 
@@ -218,7 +190,7 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
         key = (info.address, info.prefix)
         if key not in self.receivers:
             self.receivers[key] = WeightReceiver(info.address, f"{info.prefix}/tp{self.parallel_config.rank}",
-                                                 info.timeout_s, _receiver_device(self.device))
+                                                 info.timeout_s, _receiver_device(self.device), hook=self.round_hook)
         return self.receivers[key]
 
     def init_transfer_engine(self, init_info: AsyncrlInitInfo) -> None:
@@ -239,8 +211,6 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
         receiver = None
         try:
             receiver = self._receiver(update_info)
-            if self.faults.get("receiver"):
-                receiver.fault = self.faults.pop("receiver")
             result = receiver.receive(self._load, timeout_s=update_info.timeout_s, buffered=update_info.buffered)
             result.pop("tensors", None)
         except Exception as exc:  # noqa: BLE001 - e.g. the sender's store is gone: a failed round
@@ -267,7 +237,7 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
         receiver, result = self._round or (None, {"status": "failed", "touched": False,
                                                   "error": "finish_weight_update without update_weights"})
         if receiver is not None:
-            verify_load(self.model, receiver, result, self.faults)
+            verify_load(self.model, receiver, result)
         self._round, self._result = None, result
 
     def take_result(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@
   itself (`fetch` returns only their metadata to the driver), decodes them for its own step and
   puts the frames once in the object store for the other ranks (`train_fetched`); it asks for the
   next batch while the current step trains (`learner.prefetch`). No pickled Python objects and no
-  sample bytes pass through the driver. `step(groups)` trains on groups the caller holds (tests).
+  sample bytes pass through the driver.
 - Weights: `start_weight_sender()` creates an `asyncrl.weights.WeightSender` on rank 0 (returns
   the address receivers join), `add_receivers` / `remove_receivers` manage its members, and
   `broadcast_weights()` streams the export bucket by bucket: every rank walks the same buckets (the
@@ -113,10 +113,9 @@ class LearnerActor:
 
     def train_step(self, frames: list[bytes] | None = None, prefetch: tuple[int, int, float] | None = None,
                    ) -> dict[str, float]:
-        """One step. Rank 0 trains on the batch of `prepare_batch` (frames None), the other ranks on
-        `frames` (Ray resolved the ref from the object store), or every rank on `frames` given by
-        the caller (`LearnerGroup.step`). `prefetch` = (num_groups, version, timeout_s): rank 0
-        first asks the buffer for the next batch in the background."""
+        """One step on this step's encoded groups `frames` (Ray resolved rank 0's object-store copy);
+        None: the batch `prepare_batch` already decoded (rank 0). `prefetch` = (num_groups,
+        version, timeout_s): rank 0 first asks the buffer for the next batch in the background."""
         from asyncrl.protocol import decode
 
         if frames is None:
@@ -136,14 +135,6 @@ class LearnerActor:
         from asyncrl.learner.feed import sample_records
 
         return sample_records(self.feed.last_batch if self.feed is not None else [], limit)
-
-    def export_state(self, bucket_bytes: int) -> dict[str, Any] | None:
-        """All ranks iterate the export; rank 0 returns {name: CPU tensor} (tests, small models)."""
-        out: dict[str, Any] = {}
-        for bucket in self.worker.export_named_tensors(bucket_bytes):
-            if self.worker.rank == 0:
-                out.update({n: t.detach().to("cpu", copy=True) for n, t in bucket})
-        return out if self.worker.rank == 0 else None
 
     def save_checkpoint(self, directory: str) -> None:
         self.worker.save_checkpoint(directory)
@@ -247,7 +238,7 @@ def rank_env(cfg: Config) -> dict[str, str]:
 
 
 class LearnerGroup:
-    """The learner job. `fetch` + `train_fetched` -> metrics (rank 0's), `version`, checkpoints, export."""
+    """The learner job. `fetch` + `train_fetched` -> metrics (rank 0's), `version`, checkpoints, weights."""
 
     def __init__(self, cfg: Config, name: str = "learner", placement: Any = None) -> None:
         """`placement`: the group's placement group, reserved beforehand (`reserve_placement`,
@@ -314,30 +305,11 @@ class LearnerGroup:
         versions = ray.get(refs, timeout=self.cfg.cluster.startup_timeout_s)
         self.version = int(versions[0])
 
-    def reconfigure(self, cfg: Config) -> None:
-        """Rebuild the engines in the same processes (same world size and process group) from a new
-        config, e.g. another ZeRO stage; weights are reloaded from `cfg.model.path`."""
-        if cfg.learner_world_size != self.world_size:
-            raise ValueError("reconfigure keeps the world size")
-        self._setup(cfg)
-
     def _all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         import ray
 
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         return ray.get(refs, timeout=timeout or self.cfg.learner.batch_timeout_s)
-
-    def step(self, groups: Sequence[Any]) -> dict[str, float]:
-        """One step on groups the caller holds (tests, benchmarks): encoded here, put once in the
-        object store. A job's trainer uses `fetch` + `train_fetched` (no sample bytes in the driver)."""
-        import ray
-
-        from asyncrl.protocol import encode
-
-        frames = ray.put([encode(g) for g in groups])
-        metrics = self._all("train_step", frames)
-        self.version = int(metrics[0]["train/version"])
-        return metrics[0]
 
     def fetch(self, address: str, num_groups: int, version: int, timeout_s: float) -> list[dict[str, Any]]:
         """Rank 0 fetches up to num_groups groups for `version` from the buffer at `address` (or
@@ -394,10 +366,6 @@ class LearnerGroup:
     def broadcast_weights(self) -> dict[str, Any]:
         """Publish the current version to the weight group (and the WeightStore); rank 0's report."""
         return self._all("broadcast_weights")[0]
-
-    def export_state(self, bucket_bytes: int = 64 * 2**20) -> dict[str, Any]:
-        """Full parameters as CPU tensors (rank 0's export); for tests and small models."""
-        return self._all("export_state", bucket_bytes)[0]
 
     def checkpoint_root(self) -> Path:
         return self.cfg.run_path / "checkpoints"

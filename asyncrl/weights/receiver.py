@@ -44,7 +44,6 @@ from asyncrl.weights.wire import (
     dtype_from_name,
     fingerprint_mismatches,
     fingerprint_of,
-    sample_index,
     sample_values,
     unpack_bucket,
 )
@@ -56,6 +55,24 @@ class ReceiveTimeout(RuntimeError):
     pass
 
 
+class RoundHook:
+    """A seam inside a receive round, called at the points where a real round can go wrong: a
+    bucket arrives, the loader has taken it, a caller has loaded the round into its model. Every
+    method does nothing here, and production receivers run with this default; the tests of the
+    failure handling subclass it to break a round at a chosen point (a flipped element, a
+    stream cut after a bucket, a load that left a wrong value) through the real code path."""
+
+    def bucket_arrived(self, index: int, views: list[NamedTensor]) -> None:
+        """Bucket `index` is here, before its elements are sampled for the wire check (`views`
+        may be changed in place)."""
+
+    def bucket_loaded(self, index: int) -> None:
+        """The loader took bucket `index` (streamed: the model has it); raising breaks the round."""
+
+    def model_loaded(self, model: Any) -> None:
+        """A caller loaded the round into `model`, before checking it (`readback_mismatches`)."""
+
+
 class RoundAborted(RuntimeError):
     """The sender gave up on the round (a member failed); the group is rebuilt."""
 
@@ -64,7 +81,8 @@ class WeightReceiver:
     """One member of the weight group. `address` = "host:port" of the sender's store."""
 
     def __init__(self, address: str, member_id: str, timeout_s: float = 60.0,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, hook: RoundHook | None = None) -> None:
+        """`hook`: watches every round from the inside (`RoundHook`; the default does nothing)."""
         host, port = address.rsplit(":", 1)
         self.member_id = member_id
         self.timeout_s = float(timeout_s)
@@ -78,7 +96,7 @@ class WeightReceiver:
         self.version = -1
         self._requested_gen = -1
         self.samples = _Samples()  # sampled elements of the last round, by name
-        self.fault: str | None = None  # tests only: "corrupt_wire" flips an element of the next round
+        self.hook = hook if hook is not None else RoundHook()
 
     # ---- small store helpers ----------------------------------------------------------------
     def _wait_get(self, key: str, deadline: float) -> bytes:
@@ -188,67 +206,84 @@ class WeightReceiver:
     def receive(self, load: Callable[[Iterator[NamedTensor]], Any] | None = None, *,
                 timeout_s: float | None = None, buffered: bool = True) -> dict[str, Any]:
         """Take part in the next broadcast round. `load` gets an iterator of (name, tensor); with
-        `load=None` the tensors are returned under "tensors" (tests). Returns a plain dict:
+        `load=None` the tensors are returned under "tensors" (a LoRA adapter). Returns a plain dict:
         status ("ok" | "not_member" | "timeout" | "failed"), version, seconds, bytes."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         result: dict[str, Any] = {"status": "ok", "version": self.version, "bytes": 0, "member": self.member_id}
         try:
-            while True:
-                if not self._join(deadline):
-                    result["status"] = "not_member"
-                    return result
-                seq = self.seq + 1
-                rk = f"g{self.generation}/r{seq}"
-                self.store.set(f"{PREFIX}/{rk}/enter/{self.member_id}", "1")
-                start = json.loads(self._wait_get(f"{rk}/start", deadline))
-                if start["go"]:
-                    break
-                self._reset()  # someone else was dropped: a new generation follows
+            entered = self._enter_round(deadline)
         except ReceiveTimeout as exc:
             log.warning("weight receiver %s: timed out waiting for %s", self.member_id, exc)
             self._reset()
             result["status"] = "timeout"
             return result
-
-        stats: dict[str, Any] = {"bytes": 0, "end": None}
+        if entered is None:
+            result["status"] = "not_member"
+            return result
+        seq, rk, start = entered
+        # touched: the loader has seen tensors, so the model may hold part of this round
+        stats: dict[str, Any] = {"bytes": 0, "end": None, "touched": False}
         self.samples = _Samples()
-        buckets = self._buckets(rk, stats)
-        tensors: list[NamedTensor] | None = None
-        touched = False  # the loader has seen tensors: the model may hold part of this round
         try:
-            if buffered or load is None:
-                tensors = [nt for bucket in buckets for nt in bucket]
-                if stats["end"].get("failed"):
-                    raise RuntimeError("sender reported a failed broadcast")
-                self._check_wire(stats["end"])
-                if load is not None:
-                    touched = True
-                    load(iter(tensors))
-            else:
-                touched = True
-                load(nt for bucket in buckets for nt in bucket)
-                if stats["end"] is None or stats["end"].get("failed"):
-                    raise RuntimeError("broadcast incomplete")
-                self._check_wire(stats["end"])
+            tensors = self._take_round(self._buckets(rk, stats), stats, load, buffered)
         except Exception as exc:  # noqa: BLE001 - a failed round: report, reset, caller falls back
-            log.warning("weight receiver %s: round failed: %s", self.member_id, exc)
-            try:  # a nack: the sender need not wait for our ack to drop us
-                self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "0")
-            except Exception:  # noqa: BLE001 - the sender may be gone
-                log.debug("weight receiver %s: nack not delivered", self.member_id, exc_info=True)
-            self._reset()
-            result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0, touched=touched,
-                          fingerprint_mismatch=getattr(exc, "mismatches", 0))
+            self._fail_round(rk, exc)
+            result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0,
+                          touched=stats["touched"], fingerprint_mismatch=getattr(exc, "mismatches", 0))
             return result
         self.seq = seq
         self.version = int(start["version"])
         self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "1")
-        result.update(version=self.version, bytes=stats["bytes"], seconds=time.perf_counter() - t0, touched=touched,
-                      fingerprint_mismatch=0)
+        result.update(version=self.version, bytes=stats["bytes"], seconds=time.perf_counter() - t0,
+                      touched=stats["touched"], fingerprint_mismatch=0)
         if load is None:
             result["tensors"] = tensors
         return result
+
+    def _enter_round(self, deadline: float) -> tuple[int, str, dict[str, Any]] | None:
+        """Join the current generation and enter its next round until the sender lets the round
+        go; returns (seq, round key, the sender's start record), or None when not a member."""
+        while True:
+            if not self._join(deadline):
+                return None
+            seq = self.seq + 1
+            rk = f"g{self.generation}/r{seq}"
+            self.store.set(f"{PREFIX}/{rk}/enter/{self.member_id}", "1")
+            start = json.loads(self._wait_get(f"{rk}/start", deadline))
+            if start["go"]:
+                return seq, rk, start
+            self._reset()  # someone else was dropped: a new generation follows
+
+    def _take_round(self, buckets: Iterator[list[NamedTensor]], stats: dict[str, Any],
+                    load: Callable[[Iterator[NamedTensor]], Any] | None, buffered: bool) -> list[NamedTensor] | None:
+        """Receive every bucket and hand the tensors to `load`: buffered, all of them after the
+        round is complete and checked; streamed, as they arrive (then checked at the end).
+        Raises on a failed or incomplete round; returns the tensors when buffered."""
+        if buffered or load is None:
+            tensors = [nt for bucket in buckets for nt in bucket]
+            if stats["end"].get("failed"):
+                raise RuntimeError("sender reported a failed broadcast")
+            self._check_wire(stats["end"])
+            if load is not None:
+                stats["touched"] = True
+                load(iter(tensors))
+            return tensors
+        stats["touched"] = True
+        load(nt for bucket in buckets for nt in bucket)
+        if stats["end"] is None or stats["end"].get("failed"):
+            raise RuntimeError("broadcast incomplete")
+        self._check_wire(stats["end"])
+        return None
+
+    def _fail_round(self, rk: str, exc: Exception) -> None:
+        """A failed round: nack it (the sender need not wait for our ack to drop us) and reset."""
+        log.warning("weight receiver %s: round failed: %s", self.member_id, exc)
+        try:
+            self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "0")
+        except Exception:  # noqa: BLE001 - the sender may be gone
+            log.debug("weight receiver %s: nack not delivered", self.member_id, exc_info=True)
+        self._reset()
 
     def _check_wire(self, end: dict[str, Any]) -> None:
         """The sampled elements that arrived equal the ones the sender sent (its fingerprint)."""
@@ -275,17 +310,12 @@ class WeightReceiver:
             self.store.set(f"{PREFIX}/{rk}/progress/{self.member_id}", str(i))
             stats["bytes"] += buf.numel() * buf.element_size()
             views = unpack_bucket(header, buf)
-            if self.fault == "corrupt_wire":  # tests: one wrong element where the fingerprint looks
-                self.fault = None
-                name, view = views[0]
-                view.view(-1)[int(sample_index(name, view.numel())[0])] += 1
+            self.hook.bucket_arrived(i, views)
             for name, view in views:
                 self.samples[name] = sample_values(name, view)
                 self.samples.numels[name] = view.numel()
             yield views
-            if self.fault == "fail_mid_stream":  # tests: the round breaks after its first bucket
-                self.fault = None
-                raise RuntimeError("injected failure after bucket 0")
+            self.hook.bucket_loaded(i)
             i += 1
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ def test_atomic_commit_and_retention(tmp_path) -> None:
 
 
 ray = pytest.importorskip("ray")
+import learner_probe as lp  # noqa: E402 - after the skip
 
 
 @pytest.mark.integration
@@ -65,9 +66,9 @@ def test_resume_matches_uninterrupted_run(tmp_path) -> None:
     ray.init(num_cpus=4, include_dashboard=False, namespace=f"test-ckpt-{uuid.uuid4().hex[:8]}", log_to_driver=False)
     group = LearnerGroup(cfg)
     try:
-        group.step(batches[0])
-        group.step(batches[1])
-        state2 = group.export_state()
+        lp.step(group, batches[0])
+        lp.step(group, batches[1])
+        state2 = lp.export_state(group)
 
         def fill(tmp):
             (tmp / "data_cursor.json").write_text(json.dumps({"cursor": 7}))
@@ -75,8 +76,8 @@ def test_resume_matches_uninterrupted_run(tmp_path) -> None:
 
         path2 = group.save_checkpoint(fill=fill)
         assert path2 == cfg.run_path / "checkpoints" / "step_2"
-        m3 = group.step(batches[2])
-        state3 = group.export_state()
+        m3 = lp.step(group, batches[2])
+        state3 = lp.export_state(group)
         group.save_checkpoint()
 
         # what a checkpoint holds
@@ -91,19 +92,19 @@ def test_resume_matches_uninterrupted_run(tmp_path) -> None:
         assert max(float((loaded[k] - state2[k]).abs().max()) for k in state2) == 0.0
 
         # a fresh job (initial weights) resumed from step 2 reproduces step 3
-        group.reconfigure(cfg)
+        lp.reconfigure(group, cfg)
         assert group.load_checkpoint(path2) == 2
-        r3 = group.step(batches[2])
+        r3 = lp.step(group, batches[2])
         assert r3["train/version"] == 3.0
         for key in ("loss/total", "loss/pg", "loss/kl", "train/kl_coef", "train/lr", "train/grad_norm"):
             assert r3[key] == pytest.approx(m3[key], rel=1e-6, abs=1e-9), key
         assert m3["train/kl_coef"] != pytest.approx(0.05, rel=1e-9)  # the adaptive state really moved
-        after = group.export_state()
+        after = lp.export_state(group)
         assert max(float((after[k] - state3[k]).abs().max()) for k in state3) < 1e-7
 
         # re-saving an existing step replaces it; retention keeps the newest two after the new one exists
         group.save_checkpoint()
-        group.step(batches[3])
+        lp.step(group, batches[3])
         group.save_checkpoint()
         assert [s for s, _ in ckpt.list_checkpoints(path2.parent)] == [3, 4]
     finally:

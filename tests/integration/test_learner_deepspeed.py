@@ -21,6 +21,8 @@ from asyncrl.bench.learner import build_tiny_qwen2, synthetic_groups
 from asyncrl.config import load_config
 
 ray = pytest.importorskip("ray")
+import learner_probe as lp  # noqa: E402 - after the skip
+
 pytestmark = pytest.mark.integration
 
 
@@ -74,18 +76,18 @@ def test_zero_stages_match_single_rank(model_dir: str, two_ranks, tmp_path) -> N
                                                          "learner.micro_batch_tokens": 100000}))
     multi = two_ranks
     try:
-        initial = ref.export_state()
-        ref_metrics = [ref.step(b) for b in batches]
-        expected = ref.export_state()
+        initial = lp.export_state(ref)
+        ref_metrics = [lp.step(ref, b) for b in batches]
+        expected = lp.export_state(ref)
         moved = _max_diff(initial, expected)
         assert moved > 1e-4  # the update is large enough for the comparison to mean something
         for stage in (1, 2):
-            multi.reconfigure(_cfg(model_dir, str(tmp_path), **{  # ZeRO-2 also with gradient checkpointing(_cfg(model_dir, str(tmp_path), **{  # + gradient checkpointing
+            lp.reconfigure(multi, _cfg(model_dir, str(tmp_path), **{  # ZeRO-2 also with gradient checkpointing(_cfg(model_dir, str(tmp_path), **{  # + gradient checkpointing
                     "learner.cpu_ranks": 2, "learner.zero_stage": stage, "learner.micro_batch_tokens": 48,
                     "model.gradient_checkpointing": True}))
-            metrics = [multi.step(b) for b in batches]
+            metrics = [lp.step(multi, b) for b in batches]
             assert metrics[-1]["perf/micro_batches"] > 2 * 2  # really split into several micro-batches
-            got = multi.export_state()
+            got = lp.export_state(multi)
             assert _max_diff(got, expected) < 2e-6 * max(1.0, moved / 1e-3), f"ZeRO-{stage}"
             for m, r in zip(metrics, ref_metrics):
                 assert m["loss/pg"] == pytest.approx(r["loss/pg"], abs=1e-5)
@@ -93,11 +95,11 @@ def test_zero_stages_match_single_rank(model_dir: str, two_ranks, tmp_path) -> N
                 assert m["train/optimizer_steps"] == r["train/optimizer_steps"]
 
         # ZeRO-3: bucketed gathers give the same full tensors under the HF names
-        multi.reconfigure(_cfg(model_dir, str(tmp_path), **{
+        lp.reconfigure(multi, _cfg(model_dir, str(tmp_path), **{
             "learner.cpu_ranks": 2, "learner.zero_stage": 3, "learner.micro_batch_tokens": 48}))
         for b in batches:
-            multi.step(b)
-        got3 = multi.export_state(bucket_bytes=20_000)  # several buckets on this model
+            lp.step(multi, b)
+        got3 = lp.export_state(multi, bucket_bytes=20_000)  # several buckets on this model
         assert _max_diff(got3, expected) < 2e-6 * max(1.0, moved / 1e-3)
         from safetensors.torch import load_file
 
@@ -110,19 +112,19 @@ def test_zero_stages_match_single_rank(model_dir: str, two_ranks, tmp_path) -> N
 def test_non_finite_gradient_skips_step(model_dir: str, two_ranks, tmp_path) -> None:
     group = two_ranks
     for stage in (1, 0):
-        group.reconfigure(_cfg(model_dir, str(tmp_path), **{
+        lp.reconfigure(group, _cfg(model_dir, str(tmp_path), **{
             "learner.cpu_ranks": 2, "learner.zero_stage": stage, "learner.mini_batches": 1}))
         bad = synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=5)
         bad[1].samples[0].reward = float("nan")  # NaN reward -> NaN advantages -> NaN gradient
-        before = group.export_state()
-        m = group.step(bad)
+        before = lp.export_state(group)
+        m = lp.step(group, bad)
         assert m["train/skipped_steps"] == 1.0 and m["train/optimizer_steps"] == 0.0, f"ZeRO-{stage}"
         assert m["train/version"] == 1.0  # the version still advances (the batch was consumed)
-        assert _max_diff(before, group.export_state()) == 0.0
-        good = group.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=6))
+        assert _max_diff(before, lp.export_state(group)) == 0.0
+        good = lp.step(group, synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=6))
         assert good["train/skipped_steps"] == 0.0 and good["train/skipped_steps_total"] == 1.0
         assert good["train/optimizer_steps"] == 1.0
-        assert _max_diff(before, group.export_state()) > 1e-5
+        assert _max_diff(before, lp.export_state(group)) > 1e-5
 
 
 def test_recomputed_proximal_matches_training_forward(model_dir: str, two_ranks, tmp_path) -> None:
@@ -132,22 +134,22 @@ def test_recomputed_proximal_matches_training_forward(model_dir: str, two_ranks,
     over = {"learner.cpu_ranks": 2, "learner.zero_stage": 2, "learner.mini_batches": 1,
             "rollout.temperature": 0.7, "learner.loss_avg_mode": "seq"}
     batch = synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=21)
-    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **over))
-    one = two_ranks.step(batch)
-    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **over, **{"learner.ppo_epochs": 2}))
-    two = two_ranks.step(batch)
+    lp.reconfigure(two_ranks, _cfg(model_dir, str(tmp_path), **over))
+    one = lp.step(two_ranks, batch)
+    lp.reconfigure(two_ranks, _cfg(model_dir, str(tmp_path), **over, **{"learner.ppo_epochs": 2}))
+    two = lp.step(two_ranks, batch)
     assert two["train/optimizer_steps"] == 2.0 and two["perf/prox_ref_s"] > 0
     # mismatch KL(mu || pi_prox) is averaged over both epochs, pi_prox being the same in both
     assert two["train/mismatch_kl"] == pytest.approx(one["train/mismatch_kl"], rel=1e-5)
     assert one["train/ppo_kl"] == 0.0 and two["train/ppo_kl"] != 0.0  # epoch 2 moved away from pi_prox
 
-    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **{**over, **{
+    lp.reconfigure(two_ranks, _cfg(model_dir, str(tmp_path), **{**over, **{
         "learner.kl.enable": True, "learner.kl.mode": "reward", "learner.kl.coef": 0.1,
         "algorithm.adv_estimator": "reinforce_plus_plus", "learner.mini_batches": 2}}))
-    m = two_ranks.step(batch)
+    m = lp.step(two_ranks, batch)
     assert m["train/kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # reference = initial weights = pi_prox
     assert m["train/optimizer_steps"] == 2.0 and all(v == v for v in m.values())  # no NaN anywhere
-    m2 = two_ranks.step(synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=22))
+    m2 = lp.step(two_ranks, synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=22))
     assert m2["train/kl_penalty"] > 0  # the policy moved away from the reference
 
 
@@ -159,11 +161,11 @@ def test_zero3_export_broadcasts_to_a_receiver(model_dir: str, two_ranks, tmp_pa
 
     from asyncrl.weights.receiver import WeightReceiver
 
-    two_ranks.reconfigure(_cfg(model_dir, str(tmp_path), **{
+    lp.reconfigure(two_ranks, _cfg(model_dir, str(tmp_path), **{
         "learner.cpu_ranks": 2, "learner.zero_stage": 3, "learner.weights.bucket_mb": 0.02,
         "learner.weights.timeout_s": 30}))
-    two_ranks.step(synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=31))
-    expected = two_ranks.export_state()
+    lp.step(two_ranks, synthetic_groups(2, 4, 99, (3, 8), (4, 12), seed=31))
+    expected = lp.export_state(two_ranks)
     address = two_ranks.start_weight_sender(0, False)
     two_ranks.add_receivers(["rx"])
     got: dict = {}

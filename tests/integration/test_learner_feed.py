@@ -16,6 +16,8 @@ from asyncrl.protocol import codec_counts
 from asyncrl.replay import BufferClient, ReplayBufferServer
 
 ray = pytest.importorskip("ray")
+import learner_probe as lp  # noqa: E402 - after the skip
+
 pytestmark = pytest.mark.integration
 
 
@@ -47,8 +49,8 @@ def test_two_ranks_train_fetched_batch_without_driver_bytes(tmp_path) -> None:
         fetched = learner.train_fetched([m["id"] for m in metas])
         assert codec_counts() == before  # no sample frame through this process
         assert fetched["train/version"] == 1 and fetched["train/num_samples"] == 12
-        learner.reconfigure(cfg)  # the same initial weights again
-        direct = learner.step(groups)
+        lp.reconfigure(learner, cfg)  # the same initial weights again
+        direct = lp.step(learner, groups)
         for key in ("loss/pg", "train/grad_norm", "train/mismatch_kl", "train/reward_mean"):
             if key in direct:
                 assert fetched[key] == pytest.approx(direct[key], rel=1e-5, abs=1e-7), key

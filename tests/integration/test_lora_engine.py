@@ -25,6 +25,7 @@ import uuid
 import pytest
 import torch
 from test_engine import LoopThread, hf_logprobs
+from weight_faults import InjectedFaults
 
 from asyncrl.bench.learner import build_tiny_qwen2, synthetic_groups
 from asyncrl.config import load_config
@@ -204,7 +205,7 @@ def test_corrupted_adapter_round_is_refused_then_healed_from_the_store(stack):
     s = stack
     before = s.engine.version
     [rx] = [r for (addr, _), r in s.engine._adapter_receivers.items() if addr == s.sender.address]
-    rx.fault = "corrupt_wire"
+    rx.hook = InjectedFaults("corrupt_wire")
     out = s.sync()
     assert out["engine"]["status"] == "failed" and out["engine"]["fingerprint_mismatch"] == 1
     assert s.engine.version == before

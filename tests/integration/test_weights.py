@@ -5,7 +5,8 @@ buckets) reproduces every tensor bit-exactly in 2 receiver processes, round afte
 that never joins, one that stops taking part, and one that hangs inside a collective do not stall
 the sender beyond the watchdog bound, are reported dropped, and the others keep receiving; a
 dropped member that comes back rejoins and receives the next version; the WeightStore copy
-(Ray object store) serves a late joiner the newest version exactly.
+(Ray object store) serves a late joiner the newest version exactly; a round broken on arrival
+(a flipped element) or after a bucket (a streamed cut) is failed, through the receiver's seam.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from weight_faults import InjectedFaults
 
 from asyncrl.weights.sender import WeightSender
 from asyncrl.weights.store import fetch_weights, start_weight_store
@@ -71,9 +73,15 @@ def receiver_main(address: str, member: str, actions: list, q) -> None:
             tensors = {n: t.clone() for n, t in res.pop("tensors", None) or []}
             q.put((member, res["status"], res["version"], _saved(tensors)))
         elif action == "recv_corrupt":  # one element flipped on arrival: the fingerprint must catch it
-            rec.fault = "corrupt_wire"
+            rec.hook = InjectedFaults("corrupt_wire")
             res = rec.receive(None, timeout_s=4 * TIMEOUT)
             q.put((member, res["status"], res.get("fingerprint_mismatch"), _saved({})))
+        elif action == "recv_cut":  # streamed; the round breaks right after the loader took bucket 0
+            rec.hook = InjectedFaults("fail_mid_stream")
+            loaded: dict[str, torch.Tensor] = {}
+            res = rec.receive(lambda it, out=loaded: out.update((n, t.clone()) for n, t in it),
+                              timeout_s=4 * TIMEOUT, buffered=False)
+            q.put((member, res["status"], res.get("touched"), _saved(loaded)))
         elif action == "die_mid_broadcast":  # streaming: take the first bucket, then the process dies
             def load(it):
                 next(it)
@@ -334,6 +342,24 @@ def test_corrupted_round_is_caught_by_the_fingerprint():
     assert time.monotonic() - t0 < TIMEOUT  # the nack ends the wait for its ack
     report = sender.broadcast(state_dict(2).items(), 2)
     assert collect(q, 1)["a"][0][0] == "not_member"
+    for p in procs:
+        p.join(10)
+    sender.close()
+
+
+def test_streamed_round_cut_after_a_bucket_fails_touched_with_that_bucket_loaded():
+    # the receiver's seam breaks a streamed round where a dying link would: the loader has bucket
+    # 0 (the model is touched), nothing after it, and the round is failed and nacked
+    sender = WeightSender(cfg(bucket_mb=0.01), members=["a"])
+    q, procs = start(sender, {"a": ["recv_cut"]})
+    sd = state_dict(1)
+    buckets = list(pack_buckets(sd.items(), bucket_bytes=int(0.01 * 2**20)))  # the sender's packing
+    assert len(buckets) > 2
+    report = sender.broadcast(sd.items(), 1)
+    (status, touched, loaded), = collect(q, 1)["a"]
+    assert status == "failed" and touched is True
+    assert_exact(loaded, {n: sd[n] for n, _ in unpack_bucket(*buckets[0])})
+    assert report.acked == [] and report.dropped == ["a"]
     for p in procs:
         p.join(10)
     sender.close()
