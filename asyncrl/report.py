@@ -7,6 +7,8 @@ forbids every external load. Sections:
 - the before/after evaluation table (test split, greedy) with binomial standard errors;
 - metric curves from `metrics.jsonl` (reward, guided/solver accuracy, turns, tokens/s, idle ratios,
   staleness histogram, behaviour/learner mismatch KL);
+- generated vs trained groups by difficulty and length (the buffer's `buffer/mix/...` counts), so a
+  drop or filter rule that favours easy or short prompts is visible;
 - the conversation viewer: the same test problems before and after training side by side, every
   policy turn with the verifier's reply, `[SCORE]` and `###STOP###` marked, the final answer and
   whether it is right (from `samples/eval_before.json` / `eval_after.json`);
@@ -269,6 +271,52 @@ def trained_samples(step: int | None, samples: list[dict[str, Any]], limit: int 
     return "".join(out)
 
 
+def _mix_rows(last: dict[str, Any], dim: str) -> dict[str, dict[str, float]]:
+    """bucket -> {kind: groups} from the buffer's `buffer/mix/<kind>/<dim>/<bucket>` counters."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in last.items():
+        parts = key.split("/")
+        if len(parts) == 5 and parts[:2] == ["buffer", "mix"] and parts[3] == dim and _num(value) is not None:
+            out.setdefault(parts[4], {})[parts[2]] = float(value)
+    return out
+
+
+def _bucket_order(name: str) -> tuple[int, str]:
+    digits = re.findall(r"\d+", name)
+    return (int(digits[0]) if digits else 1 << 30, name)
+
+
+def group_mix_table(rows: list[dict[str, Any]]) -> str:
+    """Generated vs delivered (trained) vs dropped groups by difficulty and by length, from the
+    last step's run counters: a drop or filter rule that favours easy or short prompts shows as a
+    delivered share below the generated share in the hard or long rows."""
+    last = next((r for r in reversed(rows) if any(k.startswith("buffer/mix/") for k in r)), None)
+    if last is None:
+        return '<p class="muted">No generated/trained group counts (buffer/mix/...) in metrics.jsonl.</p>'
+    kinds = ("generated", "delivered", "dropped_stale", "dropped_filtered")
+    head = ("<tr><th>bucket</th>" + "".join(f"<th>{k.replace('_', ' ')}</th>" for k in kinds)
+            + "<th>share of generated</th><th>share of delivered</th><th>delivered / generated</th></tr>")
+    out = []
+    for dim, title in (("difficulty", "by difficulty"), ("length", "by policy tokens per sample")):
+        mix = _mix_rows(last, dim)
+        if not mix:
+            continue
+        totals = {k: sum(b.get(k, 0.0) for b in mix.values()) for k in kinds}
+        body = []
+        for bucket in sorted(mix, key=_bucket_order):
+            b = mix[bucket]
+            gen, dlv = b.get("generated", 0.0), b.get("delivered", 0.0)
+            shares = [f"{100 * b.get(k, 0.0) / totals[k]:.1f}%" if totals[k] else "-" for k in ("generated", "delivered")]
+            body.append(f"<tr><td>{_e(bucket)}</td>" + "".join(f"<td>{b.get(k, 0.0):.0f}</td>" for k in kinds)
+                        + f"<td>{shares[0]}</td><td>{shares[1]}</td><td>{_fmt(dlv / gen if gen else None, 2)}</td></tr>")
+        out.append(f"<h3>{_e(title)}</h3><table class='eval mix'>{head}{''.join(body)}</table>")
+    means = [f"{k.replace('_', ' ')} {_fmt(last.get(f'buffer/mix/{k}/len_mean'), 1)}" for k in kinds
+             if _num(last.get(f"buffer/mix/{k}/len_mean")) is not None]
+    out.append(f"<p class='muted'>Policy tokens per sample: {_e(', '.join(means))}. Counts over the run up to step "
+               f"{_e(last.get('step'))}; delivered groups are the ones the learner trained.</p>")
+    return "".join(out)
+
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1200px;color:#1d232a;
 background:#fafbfc;padding:0 16px}
@@ -343,6 +391,8 @@ def render(run_dir: str | Path) -> str:
 {eval_table(before, after)}
 <h2 id="curves">Curves</h2>
 <div class="plots">{figs}</div>
+<h2 id="group-mix">Generated vs trained groups</h2>
+{group_mix_table(rows)}
 <h2 id="conversations">Guided conversations, before and after training</h2>
 <p class="muted">Same test problems, greedy. Verifier replies: <mark class="score">[SCORE]</mark> is its per-turn step
 score, <mark class="stop">###STOP###</mark> accepts the answer; anything else is the guidance the policy sees next.</p>

@@ -166,6 +166,9 @@ async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], rew
     scope = cfg.rollout.guide.train_scope
     samples = [build_sample(conv, parts, scope=scope) for conv, parts in zip(convs, scores)]
     metadata: dict[str, Any] = {"prompt_index": int(prompt.get("index", -1))}
+    steps = (prompt.get("row") or {}).get("num_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool):  # the buffer counts groups by it (asyncrl.replay.mix)
+        metadata["num_steps"] = steps
     if vp is not None:
         metadata["images"] = vp.images.to_wire()
     group = Group.from_samples(samples, created_at=time.time(), actor_id=actor_id, metadata=metadata)

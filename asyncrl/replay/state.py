@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.protocol import Group
+from asyncrl.replay.mix import GroupMix, difficulty_bucket
 
 
 class UnknownTicket(ValueError):
@@ -59,6 +60,7 @@ class StoredGroup:
     ticket: int = -1
     prompt_index: int = -1  # the coordinator's draw index (metadata["prompt_index"]), -1 if absent
     length: float = 0.0  # mean policy tokens per sample (length statistics of dropped vs trained)
+    difficulty: str = ""  # `asyncrl.replay.mix.difficulty_bucket` (generated vs delivered counts)
 
 
 @dataclass(slots=True)
@@ -105,6 +107,7 @@ class BufferState:
         self.mutations = 0  # bumped by every change the durable log must record
         self._removed: list[int] = []  # seqs taken or dropped since the last durable record
         self.dropped_prompts: list[tuple[int, float]] = []  # (prompt index, length) of stale drops, not yet re-issued
+        self.mix = GroupMix()  # groups by kind x difficulty / length (buffer/mix/...)
 
     # ------------------------------------------------------------------------------ admission
     @property
@@ -193,15 +196,18 @@ class BufferState:
             self.counters["late_pushes"] += 1
         self.mutations += 1
         index, length = _prompt_index(group), _group_length(group)
+        difficulty = difficulty_bucket(group)
+        self.mix.add("generated", difficulty, length)
         if drop is not None:
             self.counters["dropped_" + drop] += 1
+            self.mix.add("dropped_" + drop, difficulty, length)
             if drop == "stale":  # counted in dropped_stale too; never part of `ingested`
                 self.counters["dropped_stale_at_ingest"] += 1
                 if index >= 0:
                     self.dropped_prompts.append((index, length))
             return drop
         sg = StoredGroup(next(self._seq), group.min_version, group.max_version, blob, nbytes, now, ticket,
-                         index, length)
+                         index, length, difficulty)
         heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
         self.last_stored = sg
         self.bytes += nbytes
@@ -242,6 +248,7 @@ class BufferState:
             self._removed.append(sg.seq)
             if sg.prompt_index >= 0:
                 self.dropped_prompts.append((sg.prompt_index, sg.length))
+            self.mix.add("dropped_stale", sg.difficulty, sg.length)
             n += 1
         self.counters["dropped_stale"] += n
         self.mutations += bool(n)
@@ -265,6 +272,7 @@ class BufferState:
             self.bytes -= sg.nbytes
             self._removed.append(sg.seq)
             self.staleness_hist[v - sg.min_version] += 1
+            self.mix.add("delivered", sg.difficulty, sg.length)
             self._waits["age"].append(now - sg.stored_at)
             self._serve_times.append(now)
         self.consumed += len(out)
@@ -281,6 +289,7 @@ class BufferState:
             heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
             self.bytes += sg.nbytes
             self.staleness_hist[self.version - sg.min_version] -= 1
+            self.mix.add("delivered", sg.difficulty, sg.length, sign=-1)
         self.consumed -= len(groups)
         self.counters["consumed"] -= len(groups)
         self.counters["requeued"] += len(groups)
@@ -309,6 +318,7 @@ class BufferState:
             "buffer/admission_used": self.consumed + self.buffered + len(self.in_flight),
         }
         out.update({f"buffer/{k}": float(v) for k, v in sorted(self.counters.items())})
+        out.update(self.mix.metrics())
         span = min(window_s, max(now - self._started, 1e-9))
         out["buffer/ingest_groups_per_s"] = sum(1 for t in self._ingest_times if now - t <= span) / span
         out["buffer/serve_groups_per_s"] = sum(1 for t in self._serve_times if now - t <= span) / span
@@ -328,7 +338,7 @@ class BufferState:
         return {"version": self.version, "consumed": self.consumed, "next_ticket": self.next_ticket,
                 "unfinished_tickets": sorted(set(self.in_flight) | self._expired),
                 "counters": dict(self.counters), "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
-                "groups": [_meta(g) for g in self.groups()]}
+                "groups": [_meta(g) for g in self.groups()], "mix": self.mix.state()}
 
     def load(self, header: dict[str, Any], blobs: list[bytes]) -> None:
         """Replaces the whole state by a snapshot's (tickets in flight at snapshot time are not
@@ -338,6 +348,7 @@ class BufferState:
         self.counters = Counter({k: 0 for k in COUNTERS})
         self.counters.update({str(k): int(v) for k, v in header["counters"].items()})
         self.staleness_hist = Counter({int(k): int(v) for k, v in header["staleness_hist"].items()})
+        self.mix.restore(header.get("mix"))
         self.in_flight.clear()
         self._expired = {int(t) for t in header["unfinished_tickets"]}
         self._heap, self.bytes = [], 0
@@ -348,7 +359,7 @@ class BufferState:
     def _push_stored(self, meta: dict[str, Any], blob: Any, seq: int) -> None:
         sg = StoredGroup(seq, int(meta["min_version"]), int(meta["max_version"]), blob, len(blob),
                          float(meta["stored_at"]), int(meta["ticket"]), int(meta.get("prompt_index", -1)),
-                         float(meta.get("length", 0.0)))
+                         float(meta.get("length", 0.0)), str(meta.get("difficulty", "")))
         heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
         self.bytes += sg.nbytes
 
@@ -362,7 +373,7 @@ class BufferState:
                 "leases": [[t, lease.granted_at, lease.expires_at, lease.actor_id] for t, lease in self.in_flight.items()],
                 "expired": sorted(self._expired), "counters": dict(self.counters),
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
-                "dropped_prompts": [list(d) for d in self.dropped_prompts]}
+                "dropped_prompts": [list(d) for d in self.dropped_prompts], "mix": self.mix.state()}
 
     def group_meta(self, sg: StoredGroup) -> dict[str, Any]:
         return {**_meta(sg), "seq": sg.seq}
@@ -386,6 +397,7 @@ class BufferState:
                           for t, g, e, a in header["leases"]}
         self._expired = {int(t) for t in header["expired"]}
         self.dropped_prompts = [(int(i), float(n)) for i, n in header.get("dropped_prompts", [])]
+        self.mix.restore(header.get("mix"))
         self._heap, self.bytes = [], 0
         for meta, blob in groups:
             self._push_stored(meta, blob, int(meta["seq"]))
@@ -397,7 +409,8 @@ class BufferState:
 
 def _meta(g: StoredGroup) -> dict[str, Any]:
     return {"min_version": g.min_version, "max_version": g.max_version, "nbytes": g.nbytes,
-            "stored_at": g.stored_at, "ticket": g.ticket, "prompt_index": g.prompt_index, "length": g.length}
+            "stored_at": g.stored_at, "ticket": g.ticket, "prompt_index": g.prompt_index, "length": g.length,
+            "difficulty": g.difficulty}
 
 
 def _prompt_index(group: Group) -> int:
