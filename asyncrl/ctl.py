@@ -8,7 +8,7 @@ posts the result, which is printed here. Exit status: 0 done, 1 the job refused 
 reason is printed), 2 bad usage or no running job.
 
 The job side: `execute` runs one queued command through the job's table of named handlers
-(asyncrl.trainer.Trainer.ctl_handlers); a command it does not know, or one that raises, becomes an
+(asyncrl.job_commands.handlers); a command it does not know, or one that raises, becomes an
 `{"ok": false, "error": ...}` result for the caller instead of an error in the job.
 """
 

@@ -5,7 +5,7 @@ Per step: learner rank 0 takes a batch of B groups for its version from the repl
 metadata (prompt indices, versions, rewards, token counts: no sample bytes, `perf/driver_bytes`);
 the learner trains, bumps the version and the rollout fleet takes the new weights
 (asyncrl.actors.fleet.RolloutFleet.sync_weights, `perf/weight_sync_s`); then the step's metrics
-are logged under one step, control commands from `asyncrl.ctl` are executed (`ctl_handlers`), the
+are logged under one step, control commands from `asyncrl.ctl` are executed (asyncrl.job_commands), the
 fleet heals its dead actors, and checkpoints (asyncrl.job_checkpoint) and evaluations
 (asyncrl.eval.evaluate_on_fleet) happen on their schedule. The loop stops at `trainer.max_steps`,
 on a signal or on `asyncrl.ctl stop`. Deaths are handled by asyncrl.recovery: a dead learner rank
@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.config import Config, VerifierConfig
+from asyncrl.config import Config
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
 from asyncrl.job_checkpoint import write_job_checkpoint
+from asyncrl.job_commands import run_queued
 from asyncrl.logs import console
 from asyncrl.metrics import MetricLogger, ProgressDisplay
 from asyncrl.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
@@ -31,8 +32,6 @@ from asyncrl.step_metrics import GroupLengths, StepClock, batch_metrics
 from asyncrl.topology import Topology
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from asyncrl.actors.fleet import RolloutFleet
     from asyncrl.startup import StopFlag
 
@@ -112,7 +111,7 @@ class Trainer:
         """Status, ctl commands, healing, and the scheduled checkpoint and evaluation."""
         cfg = self.cfg
         self.publish_status(metrics)
-        self.handle_commands()
+        run_queued(self)
         self.fleet.heal()
         if cfg.trainer.save_every > 0 and self.step % cfg.trainer.save_every == 0:
             self.checkpoint()
@@ -228,47 +227,3 @@ class Trainer:
         """The job cannot go on (asyncrl.recovery.stop_on_failure); the exit status."""
         return stop_on_failure(exc, self.topo, self.run_dir, self.progress, self.logger,
                                lambda: self.checkpoint(emergency=True))
-
-    # ------------------------------------------------------------------ ctl commands
-    def ctl_handlers(self) -> dict[str, Callable[..., dict[str, Any]]]:
-        """The `asyncrl.ctl` commands the job executes, by the name ctl queues them under."""
-        return {"scale": self.cmd_scale, "swap-verifier": self.cmd_swap_verifier,
-                "dry-run-verifier": self.cmd_dry_run_verifier, "checkpoint": self.cmd_checkpoint,
-                "stop": self.cmd_stop}
-
-    def handle_commands(self) -> None:
-        """Execute the commands queued on the coordinator since the last step; post each result."""
-        import ray
-
-        from asyncrl.ctl import execute
-
-        for cmd in ray.get(self.topo.coordinator.take_commands.remote()):
-            result = execute(self.ctl_handlers(), cmd["command"], cmd["args"])
-            say(f"ctl {cmd['command']}: {json.dumps(result, default=str)}")
-            ray.get(self.topo.coordinator.post_result.remote(cmd["id"], result))
-
-    def cmd_scale(self, n: int) -> dict[str, Any]:
-        return self.fleet.scale(n, self.cfg.cluster.startup_timeout_s)
-
-    def cmd_swap_verifier(self, verifier: dict[str, Any]) -> dict[str, Any]:
-        from asyncrl.serve.deploy import swap_verifier
-
-        cfg = self.cfg.model_copy(update={"verifier": VerifierConfig.model_validate(verifier)})
-        report = swap_verifier(cfg).to_dict()
-        if report.get("ok"):
-            self.cfg = cfg
-        return report
-
-    def cmd_dry_run_verifier(self, verifier: dict[str, Any], last: int = 64) -> dict[str, Any]:
-        """What swapping to `verifier` would change, on the job's last stored verifier requests."""
-        from asyncrl.serve.dryrun import dry_run
-
-        return dry_run(VerifierConfig.model_validate(verifier), last, self.cfg.rollout.guide.stop_token)
-
-    def cmd_checkpoint(self) -> dict[str, Any]:
-        path = self.checkpoint()
-        return {"ok": True, "path": str(path), "step": self.step, "version": self.version}
-
-    def cmd_stop(self) -> dict[str, Any]:
-        self.stop_requested_by_ctl = True
-        return {"ok": True, "message": f"stopping after step {self.step}"}

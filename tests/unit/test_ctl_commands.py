@@ -4,6 +4,7 @@ on), and the job knows exactly the commands the ctl client can queue."""
 
 from types import SimpleNamespace
 
+from asyncrl import job_commands
 from asyncrl.config import load_config
 from asyncrl.ctl import _parser, execute
 from asyncrl.startup import StopFlag
@@ -32,14 +33,39 @@ def test_a_handler_that_raises_is_an_error_result():
     assert execute({"scale": boom}, "scale", {"bad": 1})["error"].startswith("TypeError")
 
 
-def test_the_job_handles_every_command_the_client_queues(tmp_path):
-    # the loop is built from a topology whose learner is at version 0 (the table only binds methods:
-    # nothing of the topology is called)
+def _trainer(tmp_path):
+    """The loop, built from a topology whose learner is at version 0 (nothing of it is called)."""
     cfg = load_config("configs/quickstart.yaml", [f"trainer.run_dir={tmp_path}", "trainer.logger=[jsonl]"])
     topo = Topology(cfg=cfg, run_dir=tmp_path, namespace="test", learner=SimpleNamespace(version=0),
                     fleet=SimpleNamespace(actors={}))
-    trainer = Trainer(cfg, topo, tmp_path, StopFlag(), resume=None)
+    return Trainer(cfg, topo, tmp_path, StopFlag(), resume=None)
+
+
+def test_the_job_handles_every_command_the_client_queues(tmp_path):
+    trainer = _trainer(tmp_path)
     sub = next(a for a in _parser()._actions if a.dest == "command")
     queued = (set(sub.choices) - {"status"}) | {"dry-run-verifier"}  # status is read, swap --dry-run is queued as dry-run
-    assert set(trainer.ctl_handlers()) == queued
-    assert trainer.ctl_handlers()["stop"].__func__ is Trainer.cmd_stop
+    assert set(job_commands.handlers(trainer)) == queued
+    assert job_commands.handlers(trainer)["stop"].func is job_commands.stop
+
+
+def test_stop_ends_the_loop_after_the_current_step(tmp_path):
+    trainer = _trainer(tmp_path)
+    assert trainer.stop_requested_by_ctl is False
+    result = execute(job_commands.handlers(trainer), "stop", {})
+    assert result == {"ok": True, "message": "stopping after step 0"} and trainer.stop_requested_by_ctl is True
+
+
+def test_a_refused_verifier_swap_leaves_the_loop_config_alone(tmp_path, monkeypatch):
+    from asyncrl.serve import deploy
+
+    trainer = _trainer(tmp_path)
+    before = trainer.cfg
+    new = {**before.verifier.model_dump(mode="json"), "num_replicas": before.verifier.num_replicas + 1}
+    for ok in (False, True):
+        monkeypatch.setattr(deploy, "swap_verifier", lambda cfg, ok=ok: SimpleNamespace(to_dict=lambda: {"ok": ok}))
+        assert execute(job_commands.handlers(trainer), "swap-verifier", {"verifier": new}) == {"ok": ok}
+        # refused: the same config object; accepted: the loop's config carries the new verifier
+        assert (trainer.cfg is before) is (not ok)
+    assert trainer.cfg.verifier.num_replicas == before.verifier.num_replicas + 1
+    assert trainer.cfg.trainer == before.trainer

@@ -1,0 +1,74 @@
+"""The job side of `asyncrl.ctl`: the commands a running job executes, between two learner steps.
+
+`asyncrl.ctl` queues a command on the job's coordinator; after each step the loop
+(asyncrl.trainer.Trainer) calls `run_queued`, which runs every queued command through the table of
+`handlers` and posts each result back for the waiting ctl client. A handler acts on the loop it is
+given: it scales the fleet, swaps the verifier (the loop's config follows when the swap succeeded),
+writes a checkpoint, or asks the loop to stop after the current step.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.config import VerifierConfig
+from asyncrl.startup import say
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from asyncrl.trainer import Trainer
+
+
+def handlers(trainer: Trainer) -> dict[str, Callable[..., dict[str, Any]]]:
+    """The commands the job executes, by the name ctl queues them under, bound to `trainer`."""
+    table = {"scale": scale, "swap-verifier": swap_verifier, "dry-run-verifier": dry_run_verifier,
+             "checkpoint": checkpoint, "stop": stop}
+    return {name: partial(fn, trainer) for name, fn in table.items()}
+
+
+def run_queued(trainer: Trainer) -> None:
+    """Execute the commands queued on the coordinator since the last step; post each result."""
+    import ray
+
+    from asyncrl.ctl import execute
+
+    coordinator = trainer.topo.coordinator
+    for cmd in ray.get(coordinator.take_commands.remote()):
+        result = execute(handlers(trainer), cmd["command"], cmd["args"])
+        say(f"ctl {cmd['command']}: {json.dumps(result, default=str)}")
+        ray.get(coordinator.post_result.remote(cmd["id"], result))
+
+
+def scale(trainer: Trainer, n: int) -> dict[str, Any]:
+    return trainer.fleet.scale(n, trainer.cfg.cluster.startup_timeout_s)
+
+
+def swap_verifier(trainer: Trainer, verifier: dict[str, Any]) -> dict[str, Any]:
+    """Deploy `verifier` in place of the running one; the loop's config takes it only if the swap held."""
+    from asyncrl.serve.deploy import swap_verifier as deploy_swap
+
+    cfg = trainer.cfg.model_copy(update={"verifier": VerifierConfig.model_validate(verifier)})
+    report = deploy_swap(cfg).to_dict()
+    if report.get("ok"):
+        trainer.cfg = cfg
+    return report
+
+
+def dry_run_verifier(trainer: Trainer, verifier: dict[str, Any], last: int = 64) -> dict[str, Any]:
+    """What swapping to `verifier` would change, on the job's last stored verifier requests."""
+    from asyncrl.serve.dryrun import dry_run
+
+    return dry_run(VerifierConfig.model_validate(verifier), last, trainer.cfg.rollout.guide.stop_token)
+
+
+def checkpoint(trainer: Trainer) -> dict[str, Any]:
+    path = trainer.checkpoint()
+    return {"ok": True, "path": str(path), "step": trainer.step, "version": trainer.version}
+
+
+def stop(trainer: Trainer) -> dict[str, Any]:
+    trainer.stop_requested_by_ctl = True
+    return {"ok": True, "message": f"stopping after step {trainer.step}"}
