@@ -39,6 +39,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,31 @@ def step_metrics(flat: FlatBatch, advantages: torch.Tensor, loss_metrics: dict[s
         "perf/padding_frac": 1.0 - real_tokens * ppo_epochs / max(padded_tokens, 1.0),
     })
     return out
+
+
+@dataclass
+class _StepBatch:
+    """One step's batch with what steps 2-3 computed for it: the input of every micro-batch."""
+
+    flat: FlatBatch
+    images: RowImages | None
+    logp_prox: torch.Tensor | None
+    logp_ref: torch.Tensor | None
+    advantages: torch.Tensor
+    reuse_prox: bool  # pi_prox = the training forward's own detached log-probs
+
+
+@dataclass
+class _StepTally:
+    """What one step's optimizer steps and micro-batches add up, for `step_metrics`."""
+
+    metric_parts: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    lr_scales: list[float] = field(default_factory=list)
+    skipped: int = 0
+    padded: int = 0
+    micro: int = 0
 
 
 class LearnerWorker:
@@ -276,102 +302,150 @@ class LearnerWorker:
     # ------------------------------------------------------------------------------------- step
     def train_step(self, groups: Sequence[Any]) -> dict[str, float]:
         """One policy version from `groups` (every rank gets the same groups). Returns metrics
-        (identical on every rank) and bumps `self.version`."""
+        (identical on every rank) and bumps `self.version`. The steps follow the module doc."""
         t0 = time.perf_counter()
-        lc, kc = self.lc, self.lc.kl
+        lc = self.lc
+        flat, images, baselines, token_scores = self._step_inputs(groups)
+        minis = split_mini_batches(flat.group_sizes, lc.mini_batches)
+        plans = [self._plan(flat, rows) for rows in minis]
+        reuse_prox = (len(minis) == 1 and lc.ppo_epochs == 1 and not self._has_dropout
+                      and not (lc.kl.enable and lc.kl.mode == "reward"))
+        t_prox = time.perf_counter()
+        logp_prox, logp_ref = self._step_logprobs(flat, plans, images, reuse_prox)
+        prox_s = time.perf_counter() - t_prox
+        advantages, extra = self._step_advantages(flat, logp_prox, logp_ref, baselines, token_scores)
+        batch = _StepBatch(flat, images, logp_prox, logp_ref, advantages, reuse_prox)
+        tally = _StepTally()
+        for _epoch in range(lc.ppo_epochs):
+            for plan in plans:
+                self._train_mini_batch(batch, plan, tally)
+        self.version += 1
+        self._update_kl_controller(extra, tally.metric_parts, flat)
+        if lc.off_policy.lr_scale != "none":
+            extra["train/lr_scale"] = float(np.mean(tally.lr_scales))
+        # metrics: [sum, count] pairs summed over micro-batches and ranks
+        summed = self._all_reduce(stack_metrics(sum_metrics(tally.metric_parts)))
+        step_s = time.perf_counter() - t0
+        counts = self._all_reduce(torch.tensor([float(tally.padded), float(tally.micro)], dtype=torch.float64))
+        return step_metrics(
+            flat, advantages, finalize_metrics(unstack_metrics(summed)), extra, version=self.version,
+            optim_steps=self.optim_steps, skipped=tally.skipped, skipped_total=self.skipped_steps,
+            grad_norms=tally.grad_norms, lrs=tally.lrs, kl_coef=float(self.kl_ctl.value), ppo_epochs=lc.ppo_epochs,
+            step_s=step_s, prox_s=prox_s, padded_tokens=float(counts[0]), micro_batches=float(counts[1]))
+
+    def _step_inputs(self, groups: Sequence[Any]) -> tuple[FlatBatch, RowImages | None, torch.Tensor,
+                                                            torch.Tensor | None]:
+        """Step 1's batch and what the advantages read beside it: (flat batch, the VL rows' images
+        (decoded once per group, hashes verified) or None, ReMax's per-sample baselines, the
+        verifier's per-token turn scores or None when `turn_score_coef` is 0)."""
         flat = flatten_groups(groups)
         images: RowImages | None = None
-        if self.is_vl:  # images of every FlatBatch row (decoded once per group, hashes verified)
+        if self.is_vl:
             from asyncrl.learner.multimodal import group_row_images
 
             images = group_row_images(groups)
         samples = [s for g in groups for s in g.samples]
         baselines = sample_baselines(samples)
-        token_scores = (turn_token_scores(samples, tuple(flat.response_mask.shape), self.cfg.algorithm.turn_score_accept)
-                        if self.cfg.algorithm.turn_score_coef > 0 else None)
-        minis = split_mini_batches(flat.group_sizes, lc.mini_batches)
-        plans = [self._plan(flat, rows) for rows in minis]
-        mode = lc.off_policy.mode
-        reuse_prox = (len(minis) == 1 and lc.ppo_epochs == 1 and not self._has_dropout
-                      and not (kc.enable and kc.mode == "reward"))
-        need_prox = mode != "bypass" and not reuse_prox
+        alg = self.cfg.algorithm
+        token_scores = (turn_token_scores(samples, tuple(flat.response_mask.shape), alg.turn_score_accept)
+                        if alg.turn_score_coef > 0 else None)
+        return flat, images, baselines, token_scores
 
-        t_prox = time.perf_counter()
+    def _step_logprobs(self, flat: FlatBatch, plans: list[list[list[int]]], images: RowImages | None,
+                       reuse_prox: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Step 2: (pi_prox, reference) log-probs of this rank's rows, [N, T] or None. pi_prox is
+        not recomputed in `bypass` mode (mu is the anchor) nor when the training forward's own
+        log-probs can stand in for it (`reuse_prox`). The KL penalty in `kl.mode=reward` enters
+        the advantages, which need every row: then both are all-reduced."""
+        kc = self.lc.kl
+        need_prox = self.lc.off_policy.mode != "bypass" and not reuse_prox
         logp_prox = self._logprobs(self.engine, flat, plans, images) if need_prox else None
         logp_ref = self._reference_logprobs(flat, plans, images)
         if kc.enable and kc.mode == "reward":  # the penalty needs every row before advantages
             logp_ref = self._all_reduce(logp_ref)
             logp_prox = self._all_reduce(logp_prox) if logp_prox is not None else None
-        prox_s = time.perf_counter() - t_prox
+        return logp_prox, logp_ref
+
+    def _step_advantages(self, flat: FlatBatch, logp_prox: torch.Tensor | None, logp_ref: torch.Tensor | None,
+                         baselines: torch.Tensor, token_scores: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Step 3: the batch's advantages against pi_prox (mu when it was not recomputed), then,
+        with `lag_decay` < 1, each group's scaled down by its lag (older groups move the policy
+        less), and the extra metrics of both."""
+        op = self.lc.off_policy
         anchor = logp_prox if logp_prox is not None else flat.behaviour_logprobs
         advantages, extra = self._advantages(flat, anchor, logp_ref, baselines, token_scores)
-        if lc.off_policy.lag_decay < 1.0:  # per-group down-weighting by lag
+        if op.lag_decay < 1.0:  # per-group down-weighting by lag
             lag_w = group_lag_weights(flat.token_versions, flat.group_index, flat.response_mask, self.version,
-                                      lc.off_policy.lag_decay)
+                                      op.lag_decay)
             advantages, extra["train/lag_weight_mean"] = advantages * lag_w[:, None], float(lag_w.mean())
-        lr_scales: list[float] = []
+        return advantages, extra
 
-        temp = self.cfg.rollout.temperature
+    def _train_mini_batch(self, batch: _StepBatch, plan: list[list[int]], tally: _StepTally) -> None:
+        """Step 4-5 for one mini-batch: backward through this rank's micro-batches of it, then one
+        optimizer step at lr x `lr_scale`. Every micro-batch loss is normalised by the whole
+        mini-batch's token / sequence count over ALL ranks, so the accumulated gradient is the
+        mini-batch's exact gradient however it was split."""
+        flat = batch.flat
+        plan_start = len(tally.metric_parts)
+        my_rows = [i for mb_rows in plan for i in mb_rows]
+        tok, seqs = flat.response_mask[my_rows].sum(), (flat.response_mask[my_rows].sum(1) > 0).sum()
+        glob = self._all_reduce(torch.tensor([float(tok), float(seqs)], dtype=torch.float64))
+        g_tok, g_seq = max(float(glob[0]), 1.0), max(float(glob[1]), 1.0)
+        for mb_rows in plan:
+            mb = collate(flat, mb_rows, self.pad_id).to(self.device)
+            m = self._micro_batch_backward(batch, mb, g_tok, g_seq)
+            tally.metric_parts.append({k: v.detach().cpu() for k, v in m.items()})
+            tally.padded += mb.padded_tokens
+            tally.micro += 1
+        scale = self._lr_scale(flat, tally.metric_parts[plan_start:])
+        tally.lr_scales.append(scale)
+        tally.lrs.append(float(self.scheduler.get_last_lr()[0]) * scale)
+        applied, norm = self._scaled_optimizer_step(scale)
+        tally.skipped += 0 if applied else 1
+        if norm is not None and math.isfinite(norm):
+            tally.grad_norms.append(norm)
+
+    def _micro_batch_backward(self, batch: _StepBatch, mb: MicroBatch, g_tok: float,
+                              g_seq: float) -> dict[str, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch; returns its [sum, count] loss metrics.
+        The entropy is always computed for its metric, with a gradient only when it is a loss
+        term. A dummy micro-batch (a rank with fewer rows than the plan's count) contributes a
+        zero loss but still runs backward, so every rank joins the same collectives. The loss is
+        multiplied by W because DeepSpeed averages gradients over the W ranks."""
+        lc, temp = self.lc, self.cfg.rollout.temperature
         norm_length = float(lc.norm_length or self.cfg.data.max_response_length)  # Dr.GRPO: a constant budget
-        metric_parts: list[dict[str, torch.Tensor]] = []
-        grad_norms: list[float] = []
-        lrs: list[float] = []
-        skipped = 0
-        padded = micro = 0
-        for _epoch in range(lc.ppo_epochs):
-            for plan in plans:
-                plan_start = len(metric_parts)
-                my_rows = [i for mb_rows in plan for i in mb_rows]
-                tok, seqs = flat.response_mask[my_rows].sum(), (flat.response_mask[my_rows].sum(1) > 0).sum()
-                glob = self._all_reduce(torch.tensor([float(tok), float(seqs)], dtype=torch.float64))
-                g_tok, g_seq = max(float(glob[0]), 1.0), max(float(glob[1]), 1.0)
-                for mb_rows in plan:
-                    mb = collate(flat, mb_rows, self.pad_id).to(self.device)
-                    logits = self._forward_logits(self.engine, mb, images)
-                    logp = logprobs_from_logits(logits, self._labels(mb), temp)
-                    if lc.entropy_coef > 0:
-                        entropy = entropy_from_logits(logits, temp)
-                    else:
-                        with torch.no_grad():
-                            entropy = entropy_from_logits(logits.detach(), temp)
+        logits = self._forward_logits(self.engine, mb, batch.images)
+        logp = logprobs_from_logits(logits, self._labels(mb), temp)
+        if lc.entropy_coef > 0:
+            entropy = entropy_from_logits(logits, temp)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), temp)
+        reuse = batch.reuse_prox and lc.off_policy.mode != "bypass"
+        prox = logp.detach() if reuse else self._rows(batch.logp_prox, mb)
+        loss, m = policy_loss(
+            logp, prox, self._rows(batch.flat.behaviour_logprobs, mb), self._rows(batch.advantages, mb),
+            mb.response_mask, lc, logp_ref=self._rows(batch.logp_ref, mb), entropy=entropy,
+            kl_coef=self.kl_ctl.value, global_num_tokens=g_tok, global_num_seqs=g_seq,
+            norm_length=norm_length)
+        if mb.is_dummy:
+            loss = loss * 0.0
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        return m
 
-                    prox = logp.detach() if reuse_prox and mode != "bypass" else self._rows(logp_prox, mb)
-                    loss, m = policy_loss(
-                        logp, prox, self._rows(flat.behaviour_logprobs, mb), self._rows(advantages, mb), mb.response_mask,
-                        lc, logp_ref=self._rows(logp_ref, mb), entropy=entropy, kl_coef=self.kl_ctl.value,
-                        global_num_tokens=g_tok, global_num_seqs=g_seq, norm_length=norm_length)
-                    if mb.is_dummy:
-                        loss = loss * 0.0
-                    self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-                    metric_parts.append({k: v.detach().cpu() for k, v in m.items()})
-                    padded += mb.padded_tokens
-                    micro += 1
-                scale = self._lr_scale(flat, metric_parts[plan_start:])
-                lr_scales.append(scale)
-                lrs.append(float(self.scheduler.get_last_lr()[0]) * scale)
-                applied, norm = self._scaled_optimizer_step(scale)
-                skipped += 0 if applied else 1
-                if norm is not None and math.isfinite(norm):
-                    grad_norms.append(norm)
-        self.version += 1
-        if kc.enable and kc.type == "adaptive":
-            kl_now = extra.get("train/kl_penalty")
-            if kl_now is None:
-                part = self._all_reduce(sum_metrics(metric_parts)["loss/kl"].clone())
-                kl_now = float(part[0] / max(float(part[1]), 1e-12))
-            self.kl_ctl.update(kl_now, flat.num_samples)
-
-        if lc.off_policy.lr_scale != "none":
-            extra["train/lr_scale"] = float(np.mean(lr_scales))
-        # metrics: [sum, count] pairs summed over micro-batches and ranks
-        summed = self._all_reduce(stack_metrics(sum_metrics(metric_parts)))
-        step_s = time.perf_counter() - t0
-        counts = self._all_reduce(torch.tensor([float(padded), float(micro)], dtype=torch.float64))
-        return step_metrics(
-            flat, advantages, finalize_metrics(unstack_metrics(summed)), extra, version=self.version,
-            optim_steps=self.optim_steps, skipped=skipped, skipped_total=self.skipped_steps, grad_norms=grad_norms,
-            lrs=lrs, kl_coef=float(self.kl_ctl.value), ppo_epochs=lc.ppo_epochs, step_s=step_s, prox_s=prox_s,
-            padded_tokens=float(counts[0]), micro_batches=float(counts[1]))
+    def _update_kl_controller(self, extra: dict[str, float], metric_parts: list[dict[str, torch.Tensor]],
+                              flat: FlatBatch) -> None:
+        """The adaptive KL controller steers by this step's KL: the reward penalty's mean when the
+        KL is a reward term, else the loss's KL over all ranks."""
+        kc = self.lc.kl
+        if not (kc.enable and kc.type == "adaptive"):
+            return
+        kl_now = extra.get("train/kl_penalty")
+        if kl_now is None:
+            part = self._all_reduce(sum_metrics(metric_parts)["loss/kl"].clone())
+            kl_now = float(part[0] / max(float(part[1]), 1e-12))
+        self.kl_ctl.update(kl_now, flat.num_samples)
 
     def _rows(self, t: torch.Tensor | None, mb: MicroBatch) -> torch.Tensor | None:
         """Rows of a [N, T] batch tensor for a micro-batch, on the device (zeros for a dummy)."""
