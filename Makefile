@@ -29,6 +29,8 @@ test-all: install
 lint: install
 	$(VENV)/bin/ruff check asyncrl tests scripts
 
+# ARGS: config overrides and the scenario's flags, e.g.
+#   make bench SCENARIO=convergence ARGS="--staleness 0,4 --seeds 1 --reuse verifier.port=0"
 bench: install
 	$(PY) -m asyncrl.bench $(or $(SCENARIO),buffer) --config $(CONFIG) $(ARGS)
 

@@ -117,72 +117,21 @@ def _serve(cfg_json: str, batch_size: int, address_q: Any, stop: Any, log_path: 
 
 def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: int, ready: Any,
                      go: Any, stop: Any, window: int = 0) -> None:
-    """One producer process with `threads` concurrent pushers (an actor has many groups in flight);
-    each pusher until `stop`: ticket -> stamp the group with the version that came with it -> push.
-    `window` > 0: one pusher keeps that many pushes in flight through a `PushWindow` (as a rollout
-    actor does), each acknowledgement bringing the ticket of a later group."""
+    """One producer process with `threads` concurrent pushers (an actor has many groups in flight),
+    each pushing until `stop` (`_push_one_at_a_time`, or `_push_windowed` when `window` > 0)."""
     import threading
-    from collections import deque
 
     from asyncrl.replay.client import BufferClient
-    from asyncrl.replay.synthetic import restamp
-    from asyncrl.replay.window import PushWindow
 
     pools = [_pool(PAYLOAD_SEED, 8, *tokens) for _ in range(threads)]  # the same groups as the bare pair
     errors: list[BaseException] = []
 
-    def windowed(t: int) -> None:
-        pushes = PushWindow(client, window)
-        try:
-            i, spare, pending, version = 0, [], deque(), 0
-            while not stop.is_set() or pending:
-                while not stop.is_set() and len(pending) < window:
-                    if spare:
-                        ticket = spare.pop()
-                    else:
-                        ticket = client.acquire_ticket(timeout_s=0.0 if pending else 0.5)
-                        version = max(version, client.version or 0)
-                    if ticket is None:
-                        break
-                    # the newest version the buffer reported (acks carry it too), as an engine would have
-                    group = restamp(pools[t][i % len(pools[t])], version)
-                    group.prompt_uid = f"{seed}-{t}-{i}"
-                    group.created_at = time.time()
-                    pending.append(pushes.submit(group, ticket, want_ticket=True))
-                    i += 1
-                if not pending:
-                    continue
-                reply = pending.popleft().result(timeout=120)
-                if reply.status not in ("stored", "stale"):
-                    raise RuntimeError(f"push answered {reply.status}")
-                version = max(version, reply.version)
-                if reply.next_ticket >= 0:
-                    spare.append(reply.next_ticket)
-            for ticket in spare:
-                client.release_ticket(ticket)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            pushes.close()
-
     def pusher(t: int) -> None:
         try:
-            i, ticket = 0, None
-            while not stop.is_set():
-                if ticket is None:
-                    ticket = client.acquire_ticket(timeout_s=0.5)
-                    if ticket is None:
-                        continue
-                group = restamp(pools[t][i % len(pools[t])], client.version or 0)
-                group.prompt_uid = f"{seed}-{t}-{i}"
-                group.created_at = time.time()
-                reply = client.push(group, ticket, want_ticket=True)  # the next ticket rides on the ack
-                i += 1
-                if reply.status not in ("stored", "stale"):
-                    raise RuntimeError(f"push answered {reply.status}")
-                ticket = reply.next_ticket if reply.next_ticket >= 0 else None
-            if ticket is not None:
-                client.release_ticket(ticket)
+            if window:
+                _push_windowed(client, pools[t], f"{seed}-{t}", stop, window)
+            else:
+                _push_one_at_a_time(client, pools[t], f"{seed}-{t}", stop)
         except BaseException as exc:
             errors.append(exc)
 
@@ -190,13 +139,80 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
         client.stats()  # connected
         ready.release()
         go.wait(60)
-        workers = [threading.Thread(target=windowed if window else pusher, args=(t,)) for t in range(threads)]
+        workers = [threading.Thread(target=pusher, args=(t,)) for t in range(threads)]
         for w in workers:
             w.start()
         for w in workers:
             w.join()
     if errors:
         raise errors[0]
+
+
+def _next_group(pool: list[Any], i: int, version: int, tag: str) -> Any:
+    """The pool's i-th group (cycled), stamped with `version`, its own prompt uid and its creation time."""
+    from asyncrl.replay.synthetic import restamp
+
+    group = restamp(pool[i % len(pool)], version)
+    group.prompt_uid = f"{tag}-{i}"
+    group.created_at = time.time()
+    return group
+
+
+def _checked(reply: Any) -> Any:
+    if reply.status not in ("stored", "stale"):
+        raise RuntimeError(f"push answered {reply.status}")
+    return reply
+
+
+def _push_one_at_a_time(client: Any, pool: list[Any], tag: str, stop: Any) -> None:
+    """Until `stop`: ticket -> stamp the group with the version that came with it -> push; the next
+    ticket rides on the push's acknowledgement."""
+    i, ticket = 0, None
+    while not stop.is_set():
+        if ticket is None:
+            ticket = client.acquire_ticket(timeout_s=0.5)
+            if ticket is None:
+                continue
+        reply = client.push(_next_group(pool, i, client.version or 0, tag), ticket, want_ticket=True)
+        i += 1
+        reply = _checked(reply)
+        ticket = reply.next_ticket if reply.next_ticket >= 0 else None
+    if ticket is not None:
+        client.release_ticket(ticket)
+
+
+def _push_windowed(client: Any, pool: list[Any], tag: str, stop: Any, window: int) -> None:
+    """Until `stop`, `window` pushes in flight through a `PushWindow` (as a rollout actor does), each
+    acknowledgement bringing the ticket of a later group; what is in flight at `stop` is awaited."""
+    from collections import deque
+
+    from asyncrl.replay.window import PushWindow
+
+    pushes = PushWindow(client, window)
+    try:
+        i, spare, pending, version = 0, [], deque(), 0
+        while not stop.is_set() or pending:
+            while not stop.is_set() and len(pending) < window:
+                if spare:
+                    ticket = spare.pop()
+                else:
+                    ticket = client.acquire_ticket(timeout_s=0.0 if pending else 0.5)
+                    version = max(version, client.version or 0)
+                if ticket is None:
+                    break
+                # the newest version the buffer reported (acks carry it too), as an engine would have
+                pending.append(pushes.submit(_next_group(pool, i, version, tag), ticket, want_ticket=True))
+                i += 1
+            if not pending:
+                continue
+            reply = _checked(pending.popleft().result(timeout=120))
+            version = max(version, reply.version)
+            if reply.next_ticket >= 0:
+                spare.append(reply.next_ticket)
+        for ticket in spare:
+            client.release_ticket(ticket)
+    finally:
+        pushes.close()
 
 
 def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int,
@@ -290,7 +306,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     """Rounds interleave every path (bare, codec pipe, buffer, ...) so that load from other
     processes on a shared machine hits them alike; each path's figures are from its best round
     (the least disturbed), all rounds are kept under `rounds`."""
-    smoke = bool(getattr(args, "smoke", False))
+    smoke = bool(args.smoke)
     n = 40 if smoke else 600
     rounds = 1 if smoke else 3
     tokens = (256, 512) if smoke else (1024, 4096)

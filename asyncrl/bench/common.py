@@ -1,13 +1,33 @@
-"""Shared output format of the benchmarks: machine description, JSON file, printed table."""
+"""Shared parts of the benchmarks: list-valued flags, machine description, JSON file, printed table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
+
+
+def int_list(text: str) -> list[int]:
+    """A grid flag's value, comma-separated integers (`0,1,4`); argparse names the flag on error."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,1,4, got {text!r}")
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    """A comma-separated list of names (`none,tis`)."""
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return values
 
 
 def machine_info() -> dict[str, Any]:

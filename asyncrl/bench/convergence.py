@@ -1,4 +1,4 @@
-"""`python -m asyncrl.bench convergence --config X.yaml [--full]`: does asynchrony pay in accuracy per wall second?
+"""`python -m asyncrl.bench convergence --config X.yaml [--full] [flags]`: does asynchrony pay in accuracy per wall second?
 
 Real training runs of the whole system (`asyncrl.runtime.run`, as `e2e`), one after another (they
 measure throughput), over a grid of `buffer.max_staleness` (η) × `learner.off_policy.mode` × seeds.
@@ -19,25 +19,24 @@ pi_prox = pi (detached), every trained token was sampled by the current weights 
 engine/learner numerics), so `tis` (min(pi_prox/mu, cap)), `decoupled` (pi_prox/mu where <= cap)
 and `none` (1) all weight every token by 1 up to that mismatch (logged: `train/mismatch_kl`,
 `train/is_weight_mean`). So η = 0 is run once per seed (with the config's mode) and stands for every
-mode; env `ASYNCRL_BENCH_SYNC_ALL_MODES=1` runs every mode at η = 0 as well.
+mode; `--sync-all-modes` runs every mode at η = 0 as well.
 
-Grid (env, comma-separated): `ASYNCRL_BENCH_STALENESS` (default 0,1,2; `--full` 0,1,2,4),
-`ASYNCRL_BENCH_MODES` (none,tis,decoupled), `ASYNCRL_BENCH_SEEDS` (1,2; a seed sets data.seed,
-rollout.seed and trainer.seed). Run size: `ASYNCRL_BENCH_STEPS` (100; `--full` 200; the quick start's
-policy changes its turn habit between steps 50 and 100, so fewer steps compare noise),
-`ASYNCRL_BENCH_EVAL_EVERY` (10; `--full` 20), `ASYNCRL_BENCH_VAL_ROWS` (the first N validation
-rows, 100; `--full` all; a .jsonl validation file only), `ASYNCRL_BENCH_TEST_ROWS` (the first N
-test rows, before and after training: 400; `--full` all).
+Grid (flags, comma-separated): `--staleness` (default 0,1,2; `--full` 0,1,2,4),
+`--modes` (none,tis,decoupled), `--seeds` (1,2; a seed sets data.seed, rollout.seed and
+trainer.seed). Run size: `--steps` (100; `--full` 200; the quick start's policy changes its turn
+habit between steps 50 and 100, so fewer steps compare noise), `--eval-every` (10; `--full` 20),
+`--val-rows` (the first N validation rows, 100; `--full` all; a .jsonl validation file only),
+`--test-rows` (the first N test rows, before and after training: 400; `--full` all).
 Runs go seed by seed (the first seed's whole grid before the second's), η = 0 first.
-`ASYNCRL_BENCH_REUSE=1` takes a cell from its run directory when that holds a finished run of the
-same length (an interrupted grid continues where it stopped; the figures are re-derived);
-`ASYNCRL_BENCH_REUSE=only` runs nothing and reports the finished cells (the others as not run).
+`--reuse` takes a cell from its run directory when that holds a finished run of the same length
+(an interrupted grid continues where it stopped; the figures are re-derived); `--reuse-only` runs
+nothing and reports the finished cells (the others as not run).
 
 A mode is an `off_policy.mode`, optionally with `+key=value` overrides of `learner.off_policy`
 (validated, so a refused combination fails by name), e.g. `decoupled+lr_scale=ess`; a dotted key is a
 config path, e.g. `decoupled+buffer.staleness=drift`.
 `--variance` is the variance-control grid: η ∈ {0, 1, 2, 4, 8} × `VARIANCE_MODES` × seeds {1, 2},
-the modes after the first (the baseline, `decoupled`) only at `ASYNCRL_BENCH_SECONDARY_STALENESS`
+the modes after the first (the baseline, `decoupled`) only at `--secondary-staleness`
 (default 4,8: where staleness hurts; dropping their η = 1, 2 cells keeps the grid near 2 hours).
 Every cell also reports its mean lag per trained token (`train/version_lag_mean`), drift
 (`train/mismatch_kl` per token, `train/seq_mismatch_kl` per conversation), masked share (`train/is_clipped_frac`: every token the correction zeroed or
@@ -48,15 +47,15 @@ and LR factor (`train/lr_scale`), so a mode that did not hold shows why.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench.common import print_table
+from asyncrl.bench.common import int_list, print_table, str_list
 from asyncrl.config import Config
 
 ACC = "guided_accuracy"
@@ -70,12 +69,37 @@ VARIANCE_MODES = ["decoupled", "m2po", "decoupled+lr_scale=ess", "decoupled+lag_
                   "decoupled+seq_kl_budget=0.02", "decoupled+buffer.staleness=drift"]
 """`--variance`: the best mode of the previous grid, then one cell per variance control (0.02 sits
 between the drift measured at lag 1, 0.004-0.012, and at lag 4, 0.03-0.09; it is also the default
-`buffer.drift_budget`). Left out for time, runnable by `ASYNCRL_BENCH_MODES`: `decoupled+lr_scale=lag`."""
+`buffer.drift_budget`). Left out for time, runnable by `--modes`: `decoupled+lr_scale=lag`."""
 
 
-def _env_list(key: str, default: list[Any], cast=int) -> list[Any]:
-    raw = os.environ.get(key)
-    return [cast(x) for x in raw.split(",") if x.strip()] if raw else list(default)
+def add_args(parser: Any) -> None:
+    """The grid and run-size flags (module doc); a flag left out takes the default of the chosen grid."""
+    parser.add_argument("--full", action="store_true",
+                        help="the full grid and run size: η 0,1,2,4; 200 steps per run; all val/test rows")
+    parser.add_argument("--variance", action="store_true",
+                        help="η 0,1,2,4,8 x decoupled and the variance-controlling modes (VARIANCE_MODES)")
+    parser.add_argument("--staleness", type=int_list, metavar="0,1,2",
+                        help="buffer.max_staleness values η (0, the synchronous baseline, is always added)")
+    parser.add_argument("--modes", type=mode_list, metavar="none,tis,decoupled",
+                        help="off-policy mode specs: a learner.off_policy.mode, optionally +key=value overrides")
+    parser.add_argument("--secondary-staleness", type=int_list, metavar="4,8",
+                        help="run the modes after the first only at these η (default: --variance 4,8, else every η)")
+    parser.add_argument("--seeds", type=int_list, metavar="1,2", help="seeds (data.seed, rollout.seed, trainer.seed)")
+    parser.add_argument("--steps", type=int, help="learner steps per run (100; --full 200)")
+    parser.add_argument("--eval-every", type=int, help="greedy validation every N steps (10; --full 20)")
+    parser.add_argument("--val-rows", type=int, help="the first N validation rows; 0 = all (100; --full all)")
+    parser.add_argument("--test-rows", type=int, help="the first N test rows, before and after; 0 = all (400; --full all)")
+    parser.add_argument("--sync-all-modes", action="store_true", help="run every mode at η = 0 too (default: once per seed)")
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument("--reuse", dest="reuse", action="store_const", const="finished",
+                       help="take a cell from its run directory when that holds a finished run of the same length")
+    reuse.add_argument("--reuse-only", dest="reuse", action="store_const", const="only",
+                       help="run nothing: report the finished cells (the others as not run)")
+
+
+def _pick(value: Any, default: Any) -> Any:
+    """A flag's value, or the grid's default where the flag was not given."""
+    return default if value is None else value
 
 
 def mode_overrides(spec: str) -> dict[str, Any]:
@@ -91,24 +115,34 @@ def mode_overrides(spec: str) -> dict[str, Any]:
     return out
 
 
-def plan(cfg: Config, full: bool, smoke: bool, variance: bool = False) -> dict[str, Any]:
-    """The grid and run size from the env (module doc) and the flags."""
+def mode_list(text: str) -> list[str]:
+    """`--modes`: comma-separated mode specs, each checked by `mode_overrides` before any run."""
+    modes = str_list(text)
+    for spec in modes:
+        try:
+            mode_overrides(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return modes
+
+
+def plan(cfg: Config, args: Any) -> dict[str, Any]:
+    """The grid and run size from the flags (`add_args`; the module doc has the defaults)."""
+    smoke, full, variance = args.smoke, args.full, args.variance
     grid_default = [0, 1] if smoke else [0, 1, 2, 4, 8] if variance else [0, 1, 2, 4] if full else [0, 1, 2]
-    staleness = _env_list("ASYNCRL_BENCH_STALENESS", grid_default)
+    staleness = list(_pick(args.staleness, grid_default))
     if 0 not in staleness:
         staleness = [0, *staleness]  # the synchronous baseline of every seed
     staleness = [0, *sorted({s for s in staleness if s != 0})]
-    modes = _env_list("ASYNCRL_BENCH_MODES", ["none", "tis"] if smoke else VARIANCE_MODES if variance
-                      else ["none", "tis", "decoupled"], str)
-    for spec in modes:
-        mode_overrides(spec)  # a malformed spec fails before any run
-    secondary = _env_list("ASYNCRL_BENCH_SECONDARY_STALENESS", [4, 8] if variance else [])
-    seeds = _env_list("ASYNCRL_BENCH_SEEDS", [1] if smoke else [1, 2])
-    steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 2 if smoke else 200 if full else 100))
-    eval_every = int(os.environ.get("ASYNCRL_BENCH_EVAL_EVERY", 1 if smoke else 20 if full else 10))
-    val_rows = int(os.environ.get("ASYNCRL_BENCH_VAL_ROWS", 8 if smoke else 0 if full else 100)) or None
-    test_rows = int(os.environ.get("ASYNCRL_BENCH_TEST_ROWS", 8 if smoke else 0 if full else 400)) or None
-    all_modes_sync = os.environ.get("ASYNCRL_BENCH_SYNC_ALL_MODES", "0") == "1"
+    modes = list(_pick(args.modes, ["none", "tis"] if smoke else VARIANCE_MODES if variance
+                       else ["none", "tis", "decoupled"]))
+    secondary = list(_pick(args.secondary_staleness, [4, 8] if variance else []))
+    seeds = list(_pick(args.seeds, [1] if smoke else [1, 2]))
+    steps = _pick(args.steps, 2 if smoke else 200 if full else 100)
+    eval_every = _pick(args.eval_every, 1 if smoke else 20 if full else 10)
+    val_rows = _pick(args.val_rows, 8 if smoke else 0 if full else 100) or None
+    test_rows = _pick(args.test_rows, 8 if smoke else 0 if full else 400) or None
+    all_modes_sync = args.sync_all_modes
     runs = []
     for seed in seeds:
         for eta in staleness:
@@ -118,7 +152,7 @@ def plan(cfg: Config, full: bool, smoke: bool, variance: bool = False) -> dict[s
                 runs.append({"seed": seed, "max_staleness": eta, "mode": mode})
     return {"staleness": staleness, "modes": modes, "seeds": seeds, "steps": steps, "eval_every": eval_every,
             "val_rows": val_rows, "test_rows": test_rows, "sync_all_modes": all_modes_sync,
-            "secondary_staleness": secondary, "runs": runs}
+            "secondary_staleness": secondary, "reuse": args.reuse, "runs": runs}
 
 
 def estimate_s(p: dict[str, Any], test_rows_total: int) -> float:
@@ -177,11 +211,10 @@ def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: st
     c = cell_config(cfg, cell, p, val_files)
     run_dir = c.run_path
     t0 = time.time()
-    reuse = os.environ.get("ASYNCRL_BENCH_REUSE", "0")
-    if reuse in ("1", "only") and _finished(run_dir, p["steps"]):
+    if p["reuse"] and _finished(run_dir, p["steps"]):
         print(f"[convergence] reusing the finished run in {run_dir}", flush=True)
-    elif reuse == "only":
-        raise RuntimeError(f"not run (ASYNCRL_BENCH_REUSE=only: no finished run in {run_dir})")
+    elif p["reuse"] == "only":
+        raise RuntimeError(f"not run (--reuse-only: no finished run in {run_dir})")
     else:
         for stale in ("metrics.jsonl", "summary.json"):
             (run_dir / stale).unlink(missing_ok=True)
@@ -198,7 +231,7 @@ def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: st
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
-    """A run directory holding a finished run of `steps` steps (for ASYNCRL_BENCH_REUSE=1)."""
+    """A run directory holding a finished run of `steps` steps (for --reuse)."""
     try:
         return int(json.loads((run_dir / "summary.json").read_text()).get("steps", -1)) == steps
     except (OSError, ValueError):
@@ -363,9 +396,8 @@ def print_cells(cells: list[dict[str, Any]], width: int = 12) -> None:
 def run(cfg: Config, args) -> dict[str, Any]:
     from asyncrl.data import load_rows
 
-    smoke, full = getattr(args, "smoke", False), getattr(args, "full", False)
-    out = Path(getattr(args, "output", "bench"))
-    p = plan(cfg, full, smoke, variance=getattr(args, "variance", False))
+    out = Path(args.output)
+    p = plan(cfg, args)
     test_total = len(load_rows(cfg.data.test_files, cfg.data)) if cfg.data.test_files else 0
     est = estimate_s(p, test_total)
     print_table("convergence plan", [
@@ -389,7 +421,7 @@ def run(cfg: Config, args) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others
                 errors.append(f"{type(exc).__name__}: {exc}")
                 print(f"[convergence] run failed: {errors[-1]}", flush=True)
-                if "ASYNCRL_BENCH_REUSE=only" in errors[-1]:
+                if "--reuse-only" in errors[-1]:
                     break
         if c is None:
             cells.append({**cell, "error": errors[-1], "attempts": len(errors)})

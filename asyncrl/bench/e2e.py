@@ -1,4 +1,4 @@
-"""`python -m asyncrl.bench e2e --config X.yaml` (steps: env ASYNCRL_BENCH_STEPS): the real system, synchronous vs async.
+"""`python -m asyncrl.bench e2e --config X.yaml [--steps N] [--compare KEY]`: the real system, synchronous vs async.
 
 Runs the full topology twice back to back in one invocation: first with `buffer.max_staleness=0`
 (synchronous on-policy: the fleet only generates for the current version, so each step costs
@@ -10,15 +10,14 @@ Also reported per run: trained tokens/s, steps/s, learner and rollout idle ratio
 seconds, the staleness histogram of trained groups, reward per wall-clock second, and the bytes
 per step of the batch (fetched by learner rank 0) and through the driver (`perf/driver_bytes`:
 sample bytes the driver process encoded or decoded; 0 on the straight data path).
-Steady state skips the first `--warmup` steps (engine warm-up, first admissions).
-`ASYNCRL_BENCH_E2E=publish | weight_transfer` instead runs the configured job once per value of one
-key (`AB_RUNS`: publish mode sync vs background; weight path extension vs native).
+Steady state skips the first warm-up steps (3; `--smoke` 1: engine warm-up, first admissions).
+`--compare publish | weight_transfer` instead runs the configured job once per value of one key
+(`AB_RUNS`: publish mode sync vs background; weight path extension vs native).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -94,7 +93,7 @@ def summarize(sync: dict[str, Any], asyn: dict[str, Any], steps: int, warmup: in
                               if t > 0 else 0.0}}
 
 
-# ASYNCRL_BENCH_E2E=<name>: the configured run once per value of one config key, back to back in
+# --compare <name>: the configured run once per value of one config key, back to back in
 # one invocation (the first value is the baseline); step and weight-sync seconds per step.
 AB_RUNS = {
     "publish": ("learner.weights.publish_mode", ("sync", "background"),
@@ -122,15 +121,18 @@ def run_ab(cfg: Config, steps: int, warmup: int, name: str) -> dict[str, Any]:
     return out
 
 
-def run(cfg: Config, args) -> dict[str, Any]:
-    smoke = getattr(args, "smoke", False)
-    steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", 3 if smoke else 12))
+def add_args(parser: Any) -> None:
+    parser.add_argument("--steps", type=int, help="learner steps per run (12; --smoke 3)")
+    parser.add_argument("--compare", choices=sorted(AB_RUNS),
+                        help="instead of sync vs async: the configured run once per value of this key (AB_RUNS)")
+
+
+def run(cfg: Config, args: Any) -> dict[str, Any]:
+    smoke = args.smoke
+    steps = args.steps if args.steps is not None else 3 if smoke else 12
     warmup = 1 if smoke else 3
-    ab = os.environ.get("ASYNCRL_BENCH_E2E")
-    if ab:
-        if ab not in AB_RUNS:
-            raise SystemExit(f"ASYNCRL_BENCH_E2E={ab!r}: expected one of {sorted(AB_RUNS)}")
-        return run_ab(cfg, steps, warmup, ab)
+    if args.compare:
+        return run_ab(cfg, steps, warmup, args.compare)
     staleness = max(1, cfg.buffer.max_staleness)
     sync_cfg = cfg.model_copy(deep=True)
     sync_cfg.buffer.max_staleness = 0
@@ -151,7 +153,7 @@ def run(cfg: Config, args) -> dict[str, Any]:
             ("batch bytes/step (fetched by learner rank 0) async", asyn["batch_bytes_per_step"]),
             ("async staleness hist", str(asyn["staleness_hist"]))]
     print_table(f"e2e: async (max_staleness={staleness}) vs sync (max_staleness=0)", rows)
-    _plot(sync, asyn, Path(getattr(args, "output", "bench")))
+    _plot(sync, asyn, Path(args.output))
     return result
 
 

@@ -113,88 +113,34 @@ def _bare_step(model: Any, opt: Any, micro: list[Any], temperature: float) -> No
     opt.zero_grad(set_to_none=True)
 
 
+# Per size tier: the policy built when `model.path` is absent, groups x samples per batch, and the
+# (prompt, response) length ranges of the synthetic groups.
+TIER_MODEL = {"smoke": dict(hidden=64, layers=2, intermediate=128),
+              "cpu": dict(hidden=256, layers=4, intermediate=704),
+              "gpu": dict(hidden=1024, layers=8, intermediate=2816, heads=16, kv_heads=4, vocab_words=32000)}
+TIER_BATCH = {"smoke": (2, 4), "cpu": (4, 8), "gpu": (16, 8)}
+TIER_LENGTHS = {"smoke": ((4, 12), (8, 24)), "cpu": ((32, 96), (64, 192)), "gpu": ((128, 512), (256, 1024))}
+
+
 def run(cfg: Any, args: Any) -> dict[str, Any]:
     import torch
 
     from asyncrl.bench.common import print_table
-    from asyncrl.learner.batching import collate, flatten_groups, plan_micro_batches
+    from asyncrl.learner.learner import LearnerWorker
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    smoke = bool(getattr(args, "smoke", False))
+    smoke = bool(args.smoke)
     tmp = tempfile.TemporaryDirectory(prefix="asyncrl-bench-learner-")
     on_gpu = torch.cuda.is_available() and cfg.learner.num_gpus > 0
     tier = "smoke" if smoke else ("gpu" if on_gpu else "cpu")
-    if not Path(cfg.model.path).exists():
-        size = {"smoke": dict(hidden=64, layers=2, intermediate=128),
-                "cpu": dict(hidden=256, layers=4, intermediate=704),
-                "gpu": dict(hidden=1024, layers=8, intermediate=2816, heads=16, kv_heads=4, vocab_words=32000)}[tier]
-        cfg.model.path = str(build_tiny_qwen2(Path(tmp.name) / "policy", **size))
-    cfg.learner.cpu_ranks = 1
-    cfg.learner.num_gpus = min(cfg.learner.num_gpus, 1)
-    cfg.trainer.run_dir = tmp.name
-    num_groups, n = {"smoke": (2, 4), "cpu": (4, 8), "gpu": (16, 8)}[tier]
-    lens = {"smoke": ((4, 12), (8, 24)), "cpu": ((32, 96), (64, 192)), "gpu": ((128, 512), (256, 1024))}[tier]
+    _one_rank_config(cfg, tier, Path(tmp.name))
+    num_groups, n = TIER_BATCH[tier]
     steps = 2 if smoke else 6
-
-    from asyncrl.learner.learner import LearnerWorker
-
     worker = LearnerWorker(cfg, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
-    vocab = worker.vocab_size
-    batches = [synthetic_groups(num_groups, n, vocab, *lens, seed=s) for s in range(steps + 1)]
-    # Bare loop on the same micro-batches (same planner, same budget), same precision and device.
-    from transformers import AutoModelForCausalLM
-
-    device = worker.device
-    dtype = torch.bfloat16 if worker.precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(device)
-    model.train()
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.learner.optim.lr)
-    micro_sets = []
-    for b in batches:
-        flat = flatten_groups(b)
-        idx = np.arange(flat.num_samples)
-        plan = plan_micro_batches(idx, flat.prompt_lengths, flat.response_lengths,
-                                  cfg.learner.micro_batch_tokens, cfg.learner.max_micro_batch_size)
-        micro_sets.append([collate(flat, rows, worker.pad_id).to(device) for rows in plan])
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    # warm-up both, then interleave (learner step, bare step) per batch so load drift on a shared
-    # machine hits both sides alike
-    worker.train_step(batches[0])
-    _bare_step(model, opt, micro_sets[0], cfg.rollout.temperature)
-    learner_s = bare_s = 0.0
-    tokens = 0
-    pair_ratios = []
-    for i, (b, micro) in enumerate(zip(batches[1:], micro_sets[1:])):
-        def timed_learner(b: list[Any] = b) -> float:
-            sync()
-            t0 = time.perf_counter()
-            m = worker.train_step(b)
-            sync()
-            timed_learner.tokens = int(m["perf/learner_tokens"])  # type: ignore[attr-defined]
-            return time.perf_counter() - t0
-
-        def timed_bare(micro: list[Any] = micro) -> float:
-            sync()
-            t0 = time.perf_counter()
-            _bare_step(model, opt, micro, cfg.rollout.temperature)
-            sync()
-            return time.perf_counter() - t0
-
-        if i % 2 == 0:  # alternate which side goes first
-            tl, tb = timed_learner(), timed_bare()
-        else:
-            tb, tl = timed_bare(), timed_learner()
-        learner_s += tl
-        bare_s += tb
-        tokens += timed_learner.tokens  # type: ignore[attr-defined]
-        pair_ratios.append(tb / tl)
+    batches = [synthetic_groups(num_groups, n, worker.vocab_size, *TIER_LENGTHS[tier], seed=s) for s in range(steps + 1)]
+    bare = BareLoop(cfg, worker, batches)
+    learner_s, bare_s, tokens, pair_ratios = _interleaved(worker, bare, batches)
     learner_tps, bare_tps = tokens / learner_s, tokens / bare_s
     worker.close()
     tmp.cleanup()
@@ -211,10 +157,89 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "samples_per_step": num_groups * n,
         "zero_stage": cfg.learner.zero_stage,
         "precision": worker.precision,
-        "device": str(device),
+        "device": str(worker.device),
         "off_policy_mode": cfg.learner.off_policy.mode,
         "note": "learner recomputes pi_prox only when mini_batches * ppo_epochs > 1 (else the training "
                 "forward's detached log-probs are pi_prox); bare loop has no IS/clip/advantage math",
     }
     print_table("learner", [(k, v) for k, v in result.items() if not isinstance(v, (dict, list))])
     return result
+
+
+def _one_rank_config(cfg: Any, tier: str, tmp: Path) -> None:
+    """One learner rank (one GPU at most), runs in `tmp`; the tier's tiny policy when `model.path` is absent."""
+    if not Path(cfg.model.path).exists():
+        cfg.model.path = str(build_tiny_qwen2(tmp / "policy", **TIER_MODEL[tier]))
+    cfg.learner.cpu_ranks = 1
+    cfg.learner.num_gpus = min(cfg.learner.num_gpus, 1)
+    cfg.trainer.run_dir = str(tmp)
+
+
+class BareLoop:
+    """The baseline: a plain HF model + AdamW stepping on the learner's own micro-batches (same
+    planner, same token budget), same precision and device."""
+
+    def __init__(self, cfg: Any, worker: Any, batches: list[list[Any]]):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from asyncrl.learner.batching import collate, flatten_groups, plan_micro_batches
+
+        self.device, self.temperature = worker.device, cfg.rollout.temperature
+        dtype = torch.bfloat16 if worker.precision == "bf16" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device)
+        self.model.train()
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.learner.optim.lr)
+        self.micro_sets = []
+        for b in batches:
+            flat = flatten_groups(b)
+            plan = plan_micro_batches(np.arange(flat.num_samples), flat.prompt_lengths, flat.response_lengths,
+                                      cfg.learner.micro_batch_tokens, cfg.learner.max_micro_batch_size)
+            self.micro_sets.append([collate(flat, rows, worker.pad_id).to(self.device) for rows in plan])
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, i: int) -> float:
+        """Seconds of one bare step on batch `i`'s micro-batches."""
+        self.sync()
+        t0 = time.perf_counter()
+        _bare_step(self.model, self.opt, self.micro_sets[i], self.temperature)
+        self.sync()
+        return time.perf_counter() - t0
+
+
+def _timed_learner_step(worker: Any, bare: BareLoop, batch: list[Any]) -> tuple[float, int]:
+    """Seconds and trained tokens of one learner step."""
+    bare.sync()
+    t0 = time.perf_counter()
+    m = worker.train_step(batch)
+    bare.sync()
+    return time.perf_counter() - t0, int(m["perf/learner_tokens"])
+
+
+def _interleaved(worker: Any, bare: BareLoop, batches: list[list[Any]]) -> tuple[float, float, int, list[float]]:
+    """Warm both up on batch 0, then per batch one learner step and one bare step, alternating which
+    goes first, so load drift on a shared machine hits both sides alike. (learner s, bare s, tokens,
+    bare/learner seconds per pair)."""
+    worker.train_step(batches[0])
+    bare.step(0)
+    learner_s = bare_s = 0.0
+    tokens = 0
+    pair_ratios = []
+    for i in range(1, len(batches)):
+        if i % 2 == 1:  # alternate which side goes first (the first measured pair: learner first)
+            (tl, tok), tb = _timed_learner_step(worker, bare, batches[i]), bare.step(i)
+        else:
+            tb = bare.step(i)
+            tl, tok = _timed_learner_step(worker, bare, batches[i])
+        learner_s += tl
+        bare_s += tb
+        tokens += tok
+        pair_ratios.append(tb / tl)
+    return learner_s, bare_s, tokens, pair_ratios

@@ -24,7 +24,7 @@ reported (`actor.mean_requests_in_flight`); with `rollout.groups_in_flight` abov
 actor oversubscribes C and the straggler effect shrinks.
 
 Figures: policy tokens/s (sampled tokens / wall seconds) of both sides, per round (each round: the
-actor produces `groups` groups from fresh prompts, then the bare engine replays that round's
+actor produces `--groups` groups from fresh prompts, then the bare engine replays that round's
 requests); `ratio` = median over rounds of actor/bare (robust to load spikes from other
 processes on a shared machine); `ratio_total` = total actor tokens/s / total bare tokens/s.
 Goal (issue 7): ratio >= 0.9.
@@ -163,13 +163,18 @@ def _bare_round(llm: Any, cfg: Config, requests: list[tuple[list[int], int, int 
     return wall, produced
 
 
+def add_args(parser: Any) -> None:
+    parser.add_argument("--rounds", type=int, help="measured rounds (8; --smoke 1); `ratio` is their median")
+    parser.add_argument("--groups", type=int, help="groups the actor produces per round from fresh prompts (8; --smoke 2)")
+
+
 def run(cfg: Config, args: Any) -> dict[str, Any]:
-    smoke = bool(getattr(args, "smoke", False))
+    smoke = bool(args.smoke)
     if cfg.verifier.backend != "rule" and cfg.rollout.guide.enable:
         raise ValueError("bench rollout runs the rule verifier in-process; set verifier.backend=rule")
     cfg = cfg.model_copy(deep=True)
-    rounds = int(os.environ.get("ASYNCRL_BENCH_ROUNDS", 1 if smoke else 8))
-    groups = int(os.environ.get("ASYNCRL_BENCH_GROUPS", 2 if smoke else 8))
+    rounds = args.rounds if args.rounds is not None else 1 if smoke else 8
+    groups = args.groups if args.groups is not None else 2 if smoke else 8
     if smoke:  # seconds, not minutes: few short conversations
         cfg.rollout.n = min(cfg.rollout.n, 2)
         cfg.data.max_response_length = min(cfg.data.max_response_length, 16)
@@ -251,6 +256,13 @@ async def _main(cfg: Config, rounds: int, groups: int, concurrency: int) -> dict
         server.stop()
         policy.shutdown()
         del llm
+    return _report(cfg, per_round, concurrency, parts["push_status"], drained[0],
+                   {"actor": actor_start_s, "bare": bare_start_s}, groups)
+
+
+def _report(cfg: Config, per_round: list[dict[str, Any]], concurrency: int, push_status: dict[str, int],
+            drained: int, start_s: dict[str, float], groups: int) -> dict[str, Any]:
+    """The printed table and the JSON: both sides' tokens/s over all rounds, the median round ratio."""
     tok = sum(r["policy_tokens"] for r in per_round)
     a_tps = tok / sum(r["actor_wall_s"] for r in per_round)
     b_tps = tok / sum(r["bare_wall_s"] for r in per_round)
@@ -259,13 +271,13 @@ async def _main(cfg: Config, rounds: int, groups: int, concurrency: int) -> dict
         ("actor policy tok/s", a_tps), ("bare generate tok/s", b_tps), ("ratio (median of rounds)", ratio),
         ("ratio_total", a_tps / b_tps), ("concurrency C (max_num_seqs)", concurrency),
         ("actor mean requests in flight", statistics.fmean(r["actor_mean_requests_in_flight"] for r in per_round)),
-        ("groups pushed / drained", f"{sum(parts['push_status'].values())} / {drained[0]}")])
+        ("groups pushed / drained", f"{sum(push_status.values())} / {drained}")])
     return {
         "ratio": ratio, "ratio_total": a_tps / b_tps, "goal": 0.9,
         "actor": {"tokens_per_s": a_tps, "mean_requests_in_flight":
                   statistics.fmean(r["actor_mean_requests_in_flight"] for r in per_round),
-                  "push_status": parts["push_status"], "groups_drained": drained[0], "engine_start_s": actor_start_s},
-        "bare": {"tokens_per_s": b_tps, "engine_start_s": bare_start_s},
+                  "push_status": push_status, "groups_drained": drained, "engine_start_s": start_s["actor"]},
+        "bare": {"tokens_per_s": b_tps, "engine_start_s": start_s["bare"]},
         "concurrency": concurrency, "rounds": per_round,
         "settings": {"model": cfg.model.path, "n": cfg.rollout.n, "groups_in_flight": cfg.rollout.groups_in_flight,
                      "groups_per_round": groups, "max_turns": cfg.rollout.guide.max_turns,

@@ -4,7 +4,7 @@ Meant for a policy with a real model's dimensions (scripts/make_scale_policy.py 
 Qwen2.5-0.5B's, random weights, the quick start's tokenizer): it is the first place where
 timeouts, copies, object-store puts and checkpoints cost what they will cost for real. Three jobs
 through the launcher, each in its own process, with a small batch and no evaluation:
-`extension` and `native` (the two weight paths; `ASYNCRL_BENCH_STEPS` learner steps each, default
+`extension` and `native` (the two weight paths; `--steps` learner steps each, default
 3, ending with a checkpoint), then `resume` (from the first one's checkpoint, one more step).
 Per job: seconds of every start-up step (the launcher's "X ready (Ns)" lines), seconds per learner
 step, weight sync and broadcast per step, fingerprint mismatches, the checkpoint's bytes, the exit
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import re
 import statistics
 import subprocess
@@ -164,10 +163,14 @@ def bare_gloo_seconds(nbytes: int, rounds: int = 3) -> float:
     return best
 
 
+def add_args(parser: Any) -> None:
+    parser.add_argument("--steps", type=int, help="learner steps per job (3; --smoke 2); resume adds one")
+
+
 def run(cfg: Config, args: Any) -> dict[str, Any]:
     from asyncrl.learner.memory import shape_from_config
 
-    steps = int(os.environ.get("ASYNCRL_BENCH_STEPS", "2" if args.smoke else "3"))
+    steps = args.steps if args.steps is not None else 2 if args.smoke else 3
     shape = shape_from_config(json.loads((Path(cfg.model.path) / "config.json").read_text()), cfg.model.path)
     run_root = Path(args.output).resolve() / f"scale-runs-{time.strftime('%Y%m%d-%H%M%S')}"
     common = [*args.overrides, f"trainer.max_steps={steps}", "trainer.eval_before_after=false",

@@ -126,6 +126,36 @@ def _sim_host_class():
     return SimRolloutHost
 
 
+def _simulated_learner(learner: Any, sims: list[Any], batch: int, seconds: float, train_s: float,
+                       sync_s: float) -> tuple[int, int, list[int], float, float]:
+    """The learner for `seconds` (at least 3 steps): take a batch, sleep the modelled train and sync
+    time, publish the next version to every host. (steps, groups trained, lag of each trained group,
+    seconds waiting for batches, elapsed seconds), counted from the first batch (steady state)."""
+    version, trained, lags, wait_s = 0, 0, [], 0.0
+    t_start = time.time()
+    t_first = None
+    while time.time() - t_start < seconds or version < 3:
+        if time.time() - t_start > seconds * 4 + 30:
+            break
+        t0 = time.time()
+        try:
+            groups = learner.get_batch(batch, version, timeout_s=max(1.0, seconds))
+        except Exception:  # noqa: BLE001 - timeout at the end of the window
+            break
+        if t_first is None:
+            t_first, trained, wait_s = time.time(), -len(groups), 0.0
+        else:
+            wait_s += time.time() - t0
+        lags += [version - g.min_version for g in groups]
+        time.sleep(train_s)
+        version += 1
+        time.sleep(sync_s)
+        for s in sims:
+            s.publish.remote(version)
+        trained += len(groups)
+    return version, trained, lags, wait_s, time.time() - (t_first or t_start)
+
+
 def run_cell(actors: int, ranks: int, staleness: int, model: dict[str, float], *, batch: int, n: int,
              seconds: float, scale: float, hosts: int = 8) -> dict[str, Any]:
     import ray
@@ -144,33 +174,11 @@ def run_cell(actors: int, ranks: int, staleness: int, model: dict[str, float], *
     ray.get([s.ready.remote() for s in sims], timeout=120)  # processes up before the clock starts
     runs = [s.run.remote() for s in sims]
     learner = BufferClient(address, actor_id="sim-learner")
-    version, trained, lags, wait_s = 0, 0, [], 0.0
     train_tokens = batch * n * model["tokens_per_sample"]
     train_s = scale * train_tokens / (model["train_tokens_per_s"] * (1 + (ranks - 1) * model["rank_efficiency"]))
     sync_s = scale * (model["sync_overhead_s"] + model["model_bytes"] / model["sync_bytes_per_s"])
-    t_start = time.time()
-    t_first = None  # steady state: from the first batch to the last one
     try:
-        while time.time() - t_start < seconds or version < 3:
-            if time.time() - t_start > seconds * 4 + 30:
-                break
-            t0 = time.time()
-            try:
-                groups = learner.get_batch(batch, version, timeout_s=max(1.0, seconds))
-            except Exception:  # noqa: BLE001 - timeout at the end of the window
-                break
-            if t_first is None:
-                t_first, trained, wait_s = time.time(), -len(groups), 0.0
-            else:
-                wait_s += time.time() - t0
-            lags += [version - g.min_version for g in groups]
-            time.sleep(train_s)
-            version += 1
-            time.sleep(sync_s)
-            for s in sims:
-                s.publish.remote(version)
-            trained += len(groups)
-        elapsed = time.time() - (t_first or t_start)
+        version, trained, lags, wait_s, elapsed = _simulated_learner(learner, sims, batch, seconds, train_s, sync_s)
     finally:
         for s in sims:
             s.stop.remote()
@@ -205,13 +213,18 @@ def run_cell(actors: int, ranks: int, staleness: int, model: dict[str, float], *
     }
 
 
+def add_args(parser: Any) -> None:
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="an e2e JSON whose `latency_model` replaces the defaults measured on the quick start")
+
+
 def run(cfg, args) -> dict[str, Any]:
     import os
 
     import ray
 
-    model = _calibrate(getattr(args, "calibration", None))
-    smoke = getattr(args, "smoke", False)
+    model = _calibrate(args.calibration)
+    smoke = args.smoke
     fleet = [1, 4] if smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256]
     ranks_list = [1] if smoke else [1, 8, 64]
     seconds = 2.0 if smoke else 10.0
@@ -247,7 +260,7 @@ def run(cfg, args) -> dict[str, Any]:
     print_table("simulate (SIMULATED engines and learner; real Ray, ZeroMQ buffer, version protocol)", [
         ("cells", len(cells)), ("min scaling efficiency below the knee (<= 64 actors)", eff),
         ("batch groups", batch), ("group size", n), ("max_staleness", staleness)])
-    out = Path(getattr(args, "output", "bench"))
+    out = Path(args.output)
     _plot(cells, out)
     return {"simulated": True, "latency_model": model, "cells": cells,
             "min_scaling_efficiency_below_knee": eff, "ratio": eff}

@@ -2,30 +2,35 @@
 
 Each cell is one real run (asyncrl.bench.e2e.measure) with `rollout.num_actors = a` and
 `buffer.max_staleness = s`; the same figures per cell as `e2e`, plus a heat map of trained
-tokens/s. env `ASYNCRL_BENCH_ACTORS=1,2,4 ASYNCRL_BENCH_STALENESS=0,1,2` choose the grid (defaults fit a
-2-core machine: 1,2 x 0,1,2), `ASYNCRL_BENCH_STEPS` the steps per cell (8).
+tokens/s. `--actors 1,2,4 --staleness 0,1,2` choose the grid (defaults fit a 2-core machine:
+1,2 x 0,1,2), `--steps` the steps per cell (8).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench.common import print_table
+from asyncrl.bench.common import int_list, print_table
 from asyncrl.bench.e2e import measure
 from asyncrl.config import Config
 
 
-def run(cfg: Config, args) -> dict[str, Any]:
-    smoke = getattr(args, "smoke", False)
-    grid = (lambda key, default: [int(x) for x in os.environ[key].split(",")] if os.environ.get(key) else default)  # noqa: E731
-    actors = grid("ASYNCRL_BENCH_ACTORS", [1] if smoke else [1, 2])
-    staleness = grid("ASYNCRL_BENCH_STALENESS", [0, 1] if smoke else [0, 1, 2])
+def add_args(parser: Any) -> None:
+    parser.add_argument("--actors", type=int_list, metavar="1,2", help="rollout actor counts (1,2; --smoke 1)")
+    parser.add_argument("--staleness", type=int_list, metavar="0,1,2",
+                        help="buffer.max_staleness values (0,1,2; --smoke 0,1)")
+    parser.add_argument("--steps", type=int, help="learner steps per cell, 2 of them warm-up (8; --smoke 2)")
+
+
+def run(cfg: Config, args: Any) -> dict[str, Any]:
+    smoke = args.smoke
+    actors = args.actors or ([1] if smoke else [1, 2])
+    staleness = args.staleness or ([0, 1] if smoke else [0, 1, 2])
     if 0 not in staleness:
         staleness = [0, *staleness]  # the synchronous baseline cell of `ratio`
-    steps, warmup = (2, 0) if smoke else (int(os.environ.get("ASYNCRL_BENCH_STEPS", 8)), 2)
+    steps, warmup = (2, 0) if smoke else (args.steps if args.steps is not None else 8, 2)
     cells = []
     for a in actors:
         for s in staleness:
@@ -47,7 +52,7 @@ def run(cfg: Config, args) -> dict[str, Any]:
     print_table("sweep", [("cells", len(cells)), ("failed cells", result["failed_cells"]),
                           ("best actors", best.get("rollout_actors")), ("best staleness", best.get("max_staleness")),
                           ("best / (first actors, sync)", result["ratio"])])
-    _heatmap(cells, actors, staleness, Path(getattr(args, "output", "bench")))
+    _heatmap(cells, actors, staleness, Path(args.output))
     return result
 
 

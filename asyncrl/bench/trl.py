@@ -47,7 +47,7 @@ UNEQUAL = [
      "none (GRPOConfig has no prompt limit; the task's prompts are all far shorter)"),
     ("off-policy correction", "learner.off_policy (behaviour logprobs from vLLM)", "none needed (on-policy)"),
     ("processes", "Ray driver, buffer, coordinator, actors (engines niced), learner (1 thread per rank)",
-     "one, with every core (torch threads = CPU count; ASYNCRL_TRL_THREADS=N pins it)"),
+     "one, with every core (torch threads = CPU count; --trl-threads N pins it)"),
     ("sampling stream", "the coordinator's shuffled prompt stream (seeded)", "TRL's RepeatSampler (seeded)"),
     ("precision / kernels", "DeepSpeed CPU (fp32) learner, vLLM CPU kernels", "PyTorch fp32 (HF eager)"),
 ]
@@ -139,11 +139,11 @@ def _asyncrl_side(cfg: Config, out: Path) -> dict[str, Any]:
                       for k in ("perf/batch_wait_s", "perf/train_s", "perf/weight_sync_s")}}
 
 
-def _trl_side(cfg: Config, out: Path) -> dict[str, Any]:
+def _trl_side(cfg: Config, out: Path, threads: int) -> dict[str, Any]:
     cfg_json = out / "trl_config.json"
     cfg_json.write_text(cfg.model_dump_json())
     wall = _timed([sys.executable, "-m", "asyncrl.bench.trl_side", "--config-json", str(cfg_json),
-                   "--out", str(out / "trl")], out / "trl.log")
+                   "--out", str(out / "trl"), "--threads", str(threads)], out / "trl.log")
     res = json.loads((out / "trl" / "trl_result.json").read_text())
     ends = res["step_end_s"]
     steps = [b - a for a, b in zip([res["t_first_step_s"]] + ends[:-1], ends, strict=True)]
@@ -182,6 +182,11 @@ def _plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def add_args(parser: Any) -> None:
+    parser.add_argument("--trl-threads", type=int, default=0,
+                        help="torch threads of the TRL process; 0 = every core (what a user running it here gets)")
+
+
 def run(cfg: Config, args: Any) -> dict[str, Any]:
     if importlib.util.find_spec("trl") is None:
         message = ("TRL is not installed: this benchmark needs the optional `bench` extra "
@@ -192,13 +197,39 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
 
     out = Path(args.output).resolve() / f"trl-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
+    smoke = bool(args.smoke)
+    cfg = _side_config(cfg, out, smoke)
+    steps = cfg.trainer.max_steps
+    settings = trl_settings(cfg, str(out / "trl"))
+    _print_settings(cfg, settings)
+
+    print(f"\n[bench trl] asyncrl: {steps} steps (guided protocol off) ...", flush=True)
+    sides = {"asyncrl": _asyncrl_side(cfg, out)}
+    print(f"[bench trl] TRL GRPOTrainer: {steps} steps ...", flush=True)
+    sides["trl"] = _trl_side(cfg, out, args.trl_threads)
+    _score_checkpoints(sides, cfg, out, limit=50 if smoke else 0)
+    summaries, ratios, target = _compare(sides, cfg, warmup=1 if smoke else 5)
+    guided = _guided_reference()
+    if guided:
+        print_table("for reference: asyncrl guided quick start (no TRL counterpart)", list(guided.items()))
+    curves = {name: side["curve"] for name, side in sides.items()}
+    try:
+        _plot(curves, out / "trl-curves.png")
+        print(f"plot: {out / 'trl-curves.png'}")
+    except Exception as exc:  # noqa: BLE001 - the plot is a convenience; the JSON has the numbers
+        print(f"plot not written: {type(exc).__name__}: {exc}")
+    return {"steps": steps, "target_accuracy": target, "summaries": summaries, "ratios": ratios, "curves": curves,
+            "settings_trl": settings, "unequal": UNEQUAL, "guided_reference": guided, "output_dir": str(out),
+            "smoke": smoke}
+
+
+def _side_config(cfg: Config, out: Path, smoke: bool) -> Config:
+    """The asyncrl side's config: single-turn GRPO (what TRL's GRPOTrainer does), checkpoints to score."""
     cfg = cfg.model_copy(deep=True)
-    smoke = bool(getattr(args, "smoke", False))
     if smoke:
         cfg.trainer.max_steps = 4
-    steps = cfg.trainer.max_steps
-    cfg.rollout.guide.enable = False  # single-turn GRPO: what TRL's GRPOTrainer does
-    cfg.trainer.save_every = 2 if smoke else max(1, steps // 4)
+    cfg.rollout.guide.enable = False
+    cfg.trainer.save_every = 2 if smoke else max(1, cfg.trainer.max_steps // 4)
     cfg.trainer.save_limit = -1
     cfg.trainer.eval_before_after = False
     cfg.trainer.eval_every = -1
@@ -206,10 +237,10 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
     cfg.trainer.resume = "never"
     cfg.trainer.experiment_name = f"bench-trl-asyncrl-{out.name}"
     cfg.trainer.run_dir = str(out / "asyncrl_runs")
-    limit = 50 if smoke else 0
-    warmup = 1 if smoke else 5
+    return cfg
 
-    settings = trl_settings(cfg, str(out / "trl"))
+
+def _print_settings(cfg: Config, settings: dict[str, Any]) -> None:
     print("\n== settings: asyncrl | TRL GRPOTrainer ==")
     for key, a, t in _settings_rows(cfg, settings):
         print(f"  {key:26} {str(a):44} {t}")
@@ -217,11 +248,9 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
     for key, a, t in UNEQUAL:
         print(f"    {key:24} asyncrl: {a}\n    {'':24} TRL:     {t}")
 
-    print(f"\n[bench trl] asyncrl: {steps} steps (guided protocol off) ...", flush=True)
-    sides = {"asyncrl": _asyncrl_side(cfg, out)}
-    print(f"[bench trl] TRL GRPOTrainer: {steps} steps ...", flush=True)
-    sides["trl"] = _trl_side(cfg, out)
 
+def _score_checkpoints(sides: dict[str, dict[str, Any]], cfg: Config, out: Path, limit: int) -> None:
+    """Each side's `curve`: solver accuracy of the initial policy and of every checkpoint it saved."""
     print("[bench trl] evaluating the initial policy and every checkpoint (solver-only, test split) ...", flush=True)
     initial = _evaluate(cfg.model.path, cfg, out / "eval_initial.json", limit)
     for name, side in sides.items():
@@ -231,6 +260,9 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
             side["curve"].append({"step": step, "wall_s": save["wall_s"], **acc})
             print(f"  {name} step {step}: solver accuracy {acc['accuracy']:.3f} ± {acc['se']:.3f}", flush=True)
 
+
+def _compare(sides: dict[str, dict[str, Any]], cfg: Config, warmup: int) -> tuple[dict, dict, float]:
+    """Per-side summaries, the asyncrl/TRL ratios and the target accuracy (the lower final one); printed."""
     summaries = {name: _side_summary(name, side, cfg, warmup) for name, side in sides.items()}
     a, t = summaries["asyncrl"], summaries["trl"]
     target = min(a["final_accuracy"], t["final_accuracy"])
@@ -248,19 +280,8 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
     rows += [(k, v) for k, v in ratios.items()]
     rows.append(("asyncrl step split (median s)", ", ".join(f"{k.split('/')[1]} {v:.3f}"
                                                             for k, v in sides["asyncrl"]["split"].items())))
-    print_table(f"asyncrl vs TRL GRPOTrainer ({steps} steps, target accuracy {target:.3f})", rows)
-    guided = _guided_reference()
-    if guided:
-        print_table("for reference: asyncrl guided quick start (no TRL counterpart)", list(guided.items()))
-    curves = {name: side["curve"] for name, side in sides.items()}
-    try:
-        _plot(curves, out / "trl-curves.png")
-        print(f"plot: {out / 'trl-curves.png'}")
-    except Exception as exc:  # noqa: BLE001 - the plot is a convenience; the JSON has the numbers
-        print(f"plot not written: {type(exc).__name__}: {exc}")
-    return {"steps": steps, "target_accuracy": target, "summaries": summaries, "ratios": ratios, "curves": curves,
-            "settings_trl": settings, "unequal": UNEQUAL, "guided_reference": guided, "output_dir": str(out),
-            "smoke": smoke}
+    print_table(f"asyncrl vs TRL GRPOTrainer ({cfg.trainer.max_steps} steps, target accuracy {target:.3f})", rows)
+    return summaries, ratios, target
 
 
 def _fmt(value: Any) -> str:

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m asyncrl.bench.trl_side", description=__doc__)
     p.add_argument("--config-json", required=True, help="an asyncrl config.resolved.json")
     p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = every core")
     args = p.parse_args(argv)
     from asyncrl.config import Config
 
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # TRL is one process: by default it gets every core, as a user running it here would (torch's
     # own default; the Makefile's OMP_NUM_THREADS=1, meant for asyncrl's many processes, would
-    # otherwise hold it to one thread). ASYNCRL_TRL_THREADS=N pins it.
-    threads = int(os.environ.get("ASYNCRL_TRL_THREADS", "0") or 0) or (os.cpu_count() or 1)
+    # otherwise hold it to one thread). --threads N pins it.
+    threads = args.threads or (os.cpu_count() or 1)
 
     import torch
     from datasets import Dataset

@@ -11,14 +11,13 @@ and flat run interleaved, 3 rounds (2 above 1 GiB); figures are best-of (medians
 because the shared machine's load spikes otherwise dominate. LoRA (`lora`): a rank-16 adapter on
 the same models against their full sync in the same run (bytes and seconds as ratios, the
 receiver's /dev/shm write included), and a Qwen2.5-7B rank-16 adapter's sync seconds;
-`ASYNCRL_BENCH_WEIGHT_SYNC=lora` runs that comparison alone.
+`--lora-only` runs that comparison alone.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import statistics
 import time
 from datetime import timedelta
@@ -251,9 +250,13 @@ def _interleaved(fns: list, repeats: int) -> list[dict[str, float]]:
     return [{"best": min(t), "median": statistics.median(t)} for t in times]
 
 
+def add_args(parser: Any) -> None:
+    parser.add_argument("--lora-only", action="store_true", help="only the LoRA adapter vs full sync comparison")
+
+
 def run(cfg: Any, args: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
-    smoke = bool(getattr(args, "smoke", False))
+    smoke = bool(args.smoke)
     wcfg = cfg.learner.weights
     bucket_mb = min(wcfg.bucket_mb, wcfg.gloo_bucket_mb)  # what WeightSender uses on gloo
     name, policy = policy_state(cfg)
@@ -261,7 +264,7 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         if smoke else [(name, policy), ("100M", synthetic_state(10**8)), ("500M", synthetic_state(5 * 10**8))]
     sweep_mb = [0.25, 1.0, 4.0] if smoke else [4.0, 16.0, 64.0, 256.0]
     repeats = 1 if smoke else 3
-    if os.environ.get("ASYNCRL_BENCH_WEIGHT_SYNC") == "lora":  # the LoRA comparison alone
+    if args.lora_only:
         return _lora_only(sizes, bucket_mb, repeats, smoke)
     cases, sweep, version = [], [], 0
     rig = Rig(2, bucket_mb)

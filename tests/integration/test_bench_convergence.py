@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.bench import convergence as cv
+from asyncrl.bench.__main__ import build_parser
 from asyncrl.config import Config
 
 pytestmark = pytest.mark.integration
@@ -43,22 +44,23 @@ def _cell(eta: int, mode: str, seed: int, step_s: float, accs: dict[int, float],
             **cv.cell_figures(_rows(step_s, accs, 3.0), summary, {k: 3.0 for k in accs})}
 
 
-def test_plan_runs_sync_once_per_seed(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in [k for k in os.environ if k.startswith("ASYNCRL_BENCH_")]:
-        monkeypatch.delenv(key)
+def _flags(*flags: str):
+    """The command line's flags, parsed as `python -m asyncrl.bench convergence ...` parses them."""
+    return build_parser("convergence").parse_intermixed_args(["convergence", *flags])
+
+
+def test_plan_runs_sync_once_per_seed() -> None:
     cfg = Config()
-    p = cv.plan(cfg, full=False, smoke=False)
+    p = cv.plan(cfg, _flags())
     # default grid: η {0, 1, 2} x {none, tis, decoupled} x seeds {1, 2}, η = 0 once per seed
     assert p["staleness"] == [0, 1, 2] and p["seeds"] == [1, 2] and len(p["runs"]) == 2 * (1 + 2 * 3)
     assert [r for r in p["runs"] if r["max_staleness"] == 0] == [
         {"seed": 1, "max_staleness": 0, "mode": cfg.learner.off_policy.mode},
         {"seed": 2, "max_staleness": 0, "mode": cfg.learner.off_policy.mode}]
     assert p["runs"][0]["seed"] == 1 and p["runs"][6]["seed"] == 1 and p["runs"][7]["seed"] == 2  # seed by seed
-    full = cv.plan(cfg, full=True, smoke=False)
+    full = cv.plan(cfg, _flags("--full"))
     assert full["staleness"] == [0, 1, 2, 4] and full["steps"] == 200 and len(full["runs"]) == 2 * (1 + 3 * 3)
-    monkeypatch.setenv("ASYNCRL_BENCH_STALENESS", "2,1")
-    monkeypatch.setenv("ASYNCRL_BENCH_SYNC_ALL_MODES", "1")
-    p = cv.plan(cfg, full=False, smoke=False)
+    p = cv.plan(cfg, _flags("--staleness", "2,1", "--sync-all-modes"))
     assert p["staleness"] == [0, 1, 2] and len(p["runs"]) == 2 * 3 * 3  # η = 0 added, every mode at η = 0
     assert cv.estimate_s(p, 1000) > 0
 
@@ -106,10 +108,8 @@ def test_time_to_sync_accuracy_and_seed_averages() -> None:
     cv.print_grid(r)
 
 
-def test_variance_grid_plan_and_mode_specs(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in [k for k in os.environ if k.startswith("ASYNCRL_BENCH_")]:
-        monkeypatch.delenv(key)
-    p = cv.plan(Config(), full=False, smoke=False, variance=True)
+def test_variance_grid_plan_and_mode_specs(capsys: pytest.CaptureFixture[str]) -> None:
+    p = cv.plan(Config(), _flags("--variance"))
     # per seed: η = 0 once, decoupled at η 1, 2, 4, 8, each of the 5 other modes at η 4 and 8 -> 1 + 4 + 10
     assert p["staleness"] == [0, 1, 2, 4, 8] and p["modes"] == cv.VARIANCE_MODES
     assert len(p["runs"]) == 2 * (1 + 4 + 5 * 2)
@@ -126,9 +126,26 @@ def test_variance_grid_plan_and_mode_specs(monkeypatch: pytest.MonkeyPatch) -> N
     assert len({c.trainer.experiment_name for c in built.values()}) == len(built)  # one run dir per cell
     with pytest.raises(ValueError, match="lr_scale=ess"):  # a refused combination fails by name
         cv.cell_config(Config(), {"seed": 1, "max_staleness": 4, "mode": "none+lr_scale=ess"}, p, "val.jsonl")
-    monkeypatch.setenv("ASYNCRL_BENCH_MODES", "decoupled,tis+cap")
-    with pytest.raises(ValueError, match="'cap' is not key=value"):
-        cv.plan(Config(), full=False, smoke=False)
+    with pytest.raises(SystemExit) as exited:  # a malformed spec is refused by the flag, before any run
+        _flags("--modes", "decoupled,tis+cap")
+    assert exited.value.code == 2 and "argument --modes: mode spec 'tis+cap': 'cap' is not key=value" in capsys.readouterr().err
+
+
+def test_grid_flags_override_the_defaults_and_refuse_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    p = cv.plan(Config(), _flags("--staleness", "4", "--modes", "m2po", "--seeds", "3", "--steps", "20",
+                                 "--eval-every", "5", "--val-rows", "0", "--test-rows", "50", "--reuse"))
+    # η 0 is added to the asked 4; one seed, so 2 runs: η 0 with the config's mode, η 4 with m2po
+    assert p["staleness"] == [0, 4] and p["modes"] == ["m2po"] and p["seeds"] == [3]
+    assert [(r["max_staleness"], r["mode"]) for r in p["runs"]] == [(0, Config().learner.off_policy.mode), (4, "m2po")]
+    # --val-rows 0 means every row (None); the others as given
+    assert (p["steps"], p["eval_every"], p["val_rows"], p["test_rows"], p["reuse"]) == (20, 5, None, 50, "finished")
+    assert cv.plan(Config(), _flags("--reuse-only"))["reuse"] == "only"
+    with pytest.raises(SystemExit):
+        _flags("--staleness", "1,x")
+    assert "argument --staleness: expected comma-separated integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _flags("--reuse", "--reuse-only")
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_variance_figures_explain_a_cell() -> None:
@@ -146,10 +163,10 @@ def test_variance_figures_explain_a_cell() -> None:
 @pytest.mark.slow
 def test_convergence_smoke(tmp_path: Path) -> None:
     """The command on the real system: η 0 and 1 (tis), 2 learner steps each, 8 val/test rows."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "ASYNCRL_BENCH_MODES": "tis"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "asyncrl.bench", "convergence", f"trainer.run_dir={tmp_path / 'runs'}",
-           "verifier.port=0", "--smoke", "--output", str(tmp_path), "--config", str(ROOT / "configs/quickstart.yaml")]
+           "verifier.port=0", "--smoke", "--modes", "tis", "--output", str(tmp_path),
+           "--config", str(ROOT / "configs/quickstart.yaml")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     (path,) = tmp_path.glob("convergence-2*.json")

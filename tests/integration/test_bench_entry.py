@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.bench.__main__ import SCENARIOS, scenario_doc
+from asyncrl.bench.__main__ import GONE_ENV_PREFIX, SCENARIOS, main, scenario_doc
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +33,24 @@ def test_help_describes_the_scenario(scenario: str) -> None:
     assert proc.returncode == 0, proc.stderr
     first = scenario_doc(scenario).splitlines()[0]
     assert first and first in proc.stdout  # the scenario's own docstring, not the generic one
+
+
+def test_help_lists_the_scenario_flags() -> None:
+    proc = bench("convergence", "--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--staleness", "--modes", "--seeds", "--steps", "--eval-every", "--reuse", "--reuse-only"):
+        assert flag in proc.stdout
+
+
+@pytest.mark.parametrize(("name", "flag"), [("STALENESS", "--staleness"), ("EVAL_EVERY", "--eval-every"),
+                                            ("E2E", "e2e --compare"), ("REUSE", "--reuse or --reuse-only")])
+def test_an_old_environment_option_is_refused_naming_its_flag(monkeypatch, capsys, name: str, flag: str) -> None:
+    # silently running the default grid instead of the asked one would cost hours: exit 2 before anything
+    monkeypatch.setenv(GONE_ENV_PREFIX + name, "1")
+    with pytest.raises(SystemExit) as exited:
+        main(["convergence", "--smoke"])
+    assert exited.value.code == 2
+    assert f"{GONE_ENV_PREFIX}{name} is gone, use {flag}" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -83,10 +83,11 @@ def _rows(times: list[float], step_s: float, wait_s: float, tokens: int, hist: l
              "buffer/staleness_hist": h, "rollout/reward_mean": 0.5} for t, h in zip(times, hist)]
 
 
-def test_e2e_ab_runs_set_their_key_per_run_and_refuse_unknown_names(monkeypatch, capsys) -> None:
-    # ASYNCRL_BENCH_E2E=weight_transfer: one run per value, in order, each with only that key
-    # changed; the table's ratio is the second run's step rate over the first's (0.5 / 0.4).
+def test_e2e_compare_runs_set_their_key_per_run_and_refuse_unknown_names(monkeypatch, capsys) -> None:
+    # --compare weight_transfer: one run per value, in order, each with only that key changed;
+    # the table's ratio is the second run's step rate over the first's (0.5 / 0.4).
     from asyncrl.bench import e2e
+    from asyncrl.bench.__main__ import build_parser
     from asyncrl.config import load_config
 
     seen = []
@@ -98,15 +99,15 @@ def test_e2e_ab_runs_set_their_key_per_run_and_refuse_unknown_names(monkeypatch,
 
     monkeypatch.setattr(e2e, "measure", fake_measure)
     cfg = load_config(QUICKSTART)
-    monkeypatch.setenv("ASYNCRL_BENCH_E2E", "weight_transfer")
-    out = e2e.run(cfg, type("Args", (), {"smoke": True})())
+    parser = build_parser("e2e")
+    out = e2e.run(cfg, parser.parse_intermixed_args(["e2e", "--smoke", "--compare", "weight_transfer"]))
     publish = cfg.learner.weights.publish_mode
     assert seen == [("weight_transfer-extension", "extension", publish), ("weight_transfer-native", "native", publish)]
     assert set(out) == {"extension", "native"} and cfg.rollout.weight_transfer == "extension"  # cfg untouched
     assert "1.25" in capsys.readouterr().out
-    monkeypatch.setenv("ASYNCRL_BENCH_E2E", "weights")
-    with pytest.raises(SystemExit, match="publish"):
-        e2e.run(cfg, type("Args", (), {"smoke": True})())
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_intermixed_args(["e2e", "--compare", "weights"])
+    assert exited.value.code == 2 and "argument --compare: invalid choice: 'weights'" in capsys.readouterr().err
 
 
 def test_e2e_json_from_metrics_rows() -> None:
