@@ -257,6 +257,32 @@ class BufferClient:
             sock.close(linger=0)
             self._local.sock = self._local.mon = self._local.poller = None
 
+    # ---------------------------------------------------------------------------- pipelined pushes
+    # For a caller that keeps several requests in flight on this thread's socket (`PushWindow`):
+    # it sends and reads the frames itself; the client owns the socket, its monitor and reconnection.
+    def thread_socket(self) -> zmq.Socket:
+        """This thread's DEALER socket, connected on first use."""
+        return self._sock()
+
+    def wait_readable(self, timeout_ms: int) -> bool:
+        """Waits up to `timeout_ms` for this thread's socket or its connection monitor; True if
+        the socket has frames to read (a monitor event alone returns False: see `connection_dropped`)."""
+        return self._local.sock in dict(self._local.poller.poll(timeout_ms))
+
+    def connection_dropped(self) -> bool:
+        """True, counted in `disconnects`, if this thread's connection dropped since the last check
+        (the server restarted: what was in flight on it is lost)."""
+        if not self._disconnected():
+            return False
+        self.disconnects += 1
+        return True
+
+    def reopen_socket(self) -> zmq.Socket:
+        """Replaces this thread's socket with a fresh one, dropping what was queued on the old one
+        (to a peer that stopped answering); returns the new socket."""
+        self._reset_socket()
+        return self._sock()
+
     # ---------------------------------------------------------------------------- learner API
     def get_batch_frames(self, num_groups: int, version: int, timeout_s: float = 60.0, *,
                          ahead: int = 0) -> list[bytes]:

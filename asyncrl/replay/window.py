@@ -28,14 +28,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from asyncrl.protocol import ErrorReply, Group, Push, PushReply, decode, encode
-
-if TYPE_CHECKING:
-    from asyncrl.replay.client import BufferClient
+from asyncrl.replay.client import (
+    BufferClient,
+    BufferDisconnected,
+    BufferFull,
+    BufferRequestError,
+    BufferTimeout,
+)
 
 
 @dataclass(slots=True)
@@ -65,6 +69,10 @@ class PushWindow:
         self.max_in_flight = 0  # the most pushes outstanding at once so far
         self._submitted: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._rids = itertools.count(1)
+        # Owned by the window's thread alone: taken from the queue and not answered yet (at most
+        # `window`), and every attempt's request id -> its push (a late answer still resolves it).
+        self._active: list[_Pending] = []
+        self._by_rid: dict[bytes, _Pending] = {}
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="push-window", daemon=True)
         self._thread.start()
@@ -93,113 +101,155 @@ class PushWindow:
 
     # ---------------------------------------------------------------------------- the thread
     def _run(self) -> None:
-        from asyncrl.replay.client import BufferDisconnected, BufferFull, BufferRequestError, BufferTimeout
-
-        client = self.client
-        active: list[_Pending] = []  # taken from the queue, not answered yet (at most `window`)
-        by_rid: dict[bytes, _Pending] = {}
-
-        def finish(p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
-            active.remove(p)
-            for rid in p.rids:
-                by_rid.pop(rid, None)
-            if error is not None:
-                p.future.set_exception(error)
-            else:
-                p.future.set_result(result)
-
-        def resend_all(reason: Callable[[], BaseException], deadline_of: Callable[[_Pending], float]) -> None:
-            now = time.monotonic()
-            for p in [p for p in active if p.sent_at is not None]:
-                if p.ticket is None or now >= deadline_of(p):
-                    finish(p, error=reason())
-                else:
-                    p.sent_at, p.not_before = None, now + 0.05
-                    self.resent += 1
-
+        """The window's loop: fill, send what is due, read the answers, then resend what a dropped
+        connection or an unanswered attempt cut. Whatever ends it (close, or an error) fails every
+        push still waiting, so no caller hangs on a future."""
         try:
-            sock = client._sock()
+            sock = self.client.thread_socket()
             while not self._closed.is_set():
-                while len(active) < self.window:  # fill the window
-                    try:
-                        item = self._submitted.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        break
-                    active.append(item)
-                if not active:  # nothing to do: wait for the next submit
-                    item = self._submitted.get()
-                    if item is not None:
-                        active.append(item)
+                if not self._fill():
                     continue
                 now = time.monotonic()
-                for p in active:  # send what is due
-                    if p.sent_at is None and p.not_before <= now:
-                        if isinstance(p.blob, Group):  # off the caller's thread (e.g. an event loop)
-                            p.blob = encode(p.blob)
-                        p.rid = struct.pack("<Q", next(self._rids))
-                        p.rids.append(p.rid)
-                        by_rid[p.rid] = p
-                        msg = Push(-1 if p.ticket is None else p.ticket, p.want_ticket)
-                        try:
-                            sock.send_multipart([p.rid, encode(msg), p.blob], copy=False)
-                        except zmq.Again:
-                            p.not_before = now + 0.05  # the socket's queue is full: try again shortly
-                            continue
-                        p.sent_at = now
-                self.max_in_flight = max(self.max_in_flight, sum(p.sent_at is not None for p in active))
-                wake = min([p.sent_at + self.attempt_s for p in active if p.sent_at is not None]
-                           + [p.not_before for p in active if p.sent_at is None] + [now + 0.05])
-                ready = dict(client._local.poller.poll(max(1, int((wake - now) * 1000) + 1)))
-                if sock in ready:
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        p = by_rid.get(frames[0].bytes)
-                        if p is None:
-                            continue  # an answer to an attempt of a group already answered
-                        reply = decode(frames[1].buffer)
-                        if isinstance(reply, ErrorReply):
-                            finish(p, error=BufferRequestError(reply.code, reply.message))
-                        elif not isinstance(reply, PushReply):
-                            finish(p, error=RuntimeError(f"push answered with a {type(reply).__name__}"))
-                        elif reply.status == "full":
-                            if frames[0].bytes != p.rid:
-                                continue  # an earlier attempt's "full": the current one answers
-                            t = time.monotonic()
-                            if t + p.backoff > p.deadline:
-                                finish(p, error=BufferFull(f"replay buffer full for {self.block_s}s"))
-                            else:
-                                p.sent_at, p.not_before = None, t + p.backoff
-                                p.backoff = min(p.backoff * 2, 0.5)
-                        else:
-                            finish(p, result=reply)
-                if client._disconnected():  # the server restarted: every outstanding attempt again
-                    client.disconnects += 1
-                    resend_all(lambda: BufferDisconnected(f"connection to {client.address} dropped during a push"),
-                               lambda p: p.reconnect_deadline)
-                now = time.monotonic()
-                if any(p.sent_at is not None and now >= p.sent_at + self.attempt_s for p in active):
-                    # An unanswered attempt: a fresh socket drops what is queued to a dead peer, so
-                    # every outstanding attempt is sent again on it (same tickets: no doubles).
-                    client._reset_socket()
-                    sock = client._sock()
-                    resend_all(lambda: BufferTimeout(f"no reply from {client.address} to a push within "
-                                                     f"{self.attempt_s:.1f}s"), lambda p: p.deadline)
+                self._send_due(sock, now)
+                in_flight = sum(p.sent_at is not None for p in self._active)
+                self.max_in_flight = max(self.max_in_flight, in_flight)
+                if self.client.wait_readable(self._poll_ms(now)):
+                    self._receive(sock)
+                self._on_dropped_connection()
+                sock = self._on_unanswered(sock)
         except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging it
-            for p in list(active):
-                finish(p, error=exc)
+            for p in list(self._active):
+                self._finish(p, error=exc)
             raise
         finally:
-            for p in list(active):
-                finish(p, error=RuntimeError("push window closed"))
-            while True:
-                try:
-                    item = self._submitted.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item.future.set_exception(RuntimeError("push window closed"))
+            self._fail_the_rest()
+
+    def _fill(self) -> bool:
+        """Takes queued pushes until the window is full; False when there was nothing to do and
+        the thread waited for the next submit (or close) instead, so the loop starts over."""
+        while len(self._active) < self.window:
+            try:
+                item = self._submitted.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                break
+            self._active.append(item)
+        if self._active:
+            return True
+        item = self._submitted.get()
+        if item is not None:
+            self._active.append(item)
+        return False
+
+    def _send_due(self, sock: zmq.Socket, now: float) -> None:
+        """Sends every unsent push whose backoff has passed, each attempt under a fresh request id
+        (so an answer names its attempt) and the group's own ticket (so a resend is deduplicated)."""
+        for p in self._active:
+            if p.sent_at is not None or p.not_before > now:
+                continue
+            if isinstance(p.blob, Group):  # off the caller's thread (e.g. an event loop)
+                p.blob = encode(p.blob)
+            p.rid = struct.pack("<Q", next(self._rids))
+            p.rids.append(p.rid)
+            self._by_rid[p.rid] = p
+            msg = Push(-1 if p.ticket is None else p.ticket, p.want_ticket)
+            try:
+                sock.send_multipart([p.rid, encode(msg), p.blob], copy=False)
+            except zmq.Again:
+                p.not_before = now + 0.05  # the socket's queue is full: try again shortly
+                continue
+            p.sent_at = now
+
+    def _poll_ms(self, now: float) -> int:
+        """How long to wait for answers: until the first attempt times out or the first backoff
+        ends, and at most 50 ms, so a close or a dropped connection is seen soon."""
+        wake = min([p.sent_at + self.attempt_s for p in self._active if p.sent_at is not None]
+                   + [p.not_before for p in self._active if p.sent_at is None] + [now + 0.05])
+        return max(1, int((wake - now) * 1000) + 1)
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        """Reads every answer waiting on the socket without blocking and settles its push."""
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            p = self._by_rid.get(frames[0].bytes)
+            if p is None:
+                continue  # an answer to an attempt of a group already answered
+            self._on_answer(p, frames[0].bytes, decode(frames[1].buffer))
+
+    def _on_answer(self, p: _Pending, rid: bytes, reply: Any) -> None:
+        """The first answer settles the push; "full" instead schedules the next attempt with
+        doubling backoff (capped at 0.5 s) until `block_s`, counting only the current attempt's
+        "full" (an earlier attempt's may still arrive after it was resent)."""
+        if isinstance(reply, ErrorReply):
+            self._finish(p, error=BufferRequestError(reply.code, reply.message))
+        elif not isinstance(reply, PushReply):
+            self._finish(p, error=RuntimeError(f"push answered with a {type(reply).__name__}"))
+        elif reply.status != "full":
+            self._finish(p, result=reply)
+        elif rid == p.rid:
+            t = time.monotonic()
+            if t + p.backoff > p.deadline:
+                self._finish(p, error=BufferFull(f"replay buffer full for {self.block_s}s"))
+            else:
+                p.sent_at, p.not_before = None, t + p.backoff
+                p.backoff = min(p.backoff * 2, 0.5)
+
+    def _on_dropped_connection(self) -> None:
+        """The server restarted: every outstanding attempt is sent again (until its
+        `reconnect_deadline`), since what was in flight on the old connection is lost."""
+        if self.client.connection_dropped():
+            address = self.client.address
+            self._resend_all(lambda: BufferDisconnected(f"connection to {address} dropped during a push"),
+                             lambda p: p.reconnect_deadline)
+
+    def _on_unanswered(self, sock: zmq.Socket) -> zmq.Socket:
+        """An attempt unanswered for `attempt_s`: a fresh socket drops what is queued to a dead
+        peer, so every outstanding attempt is sent again on it (same tickets: no doubles).
+        Returns the socket to use from now on."""
+        now = time.monotonic()
+        if not any(p.sent_at is not None and now >= p.sent_at + self.attempt_s for p in self._active):
+            return sock
+        sock = self.client.reopen_socket()
+        address = self.client.address
+        self._resend_all(lambda: BufferTimeout(f"no reply from {address} to a push within "
+                                               f"{self.attempt_s:.1f}s"), lambda p: p.deadline)
+        return sock
+
+    def _resend_all(
+        self, reason: Callable[[], BaseException], deadline_of: Callable[[_Pending], float]
+    ) -> None:
+        """Marks every sent push for another attempt shortly; one without a ticket (the server
+        would not deduplicate it) or past `deadline_of` fails with `reason()` instead."""
+        now = time.monotonic()
+        for p in [p for p in self._active if p.sent_at is not None]:
+            if p.ticket is None or now >= deadline_of(p):
+                self._finish(p, error=reason())
+            else:
+                p.sent_at, p.not_before = None, now + 0.05
+                self.resent += 1
+
+    def _finish(self, p: _Pending, result: Any = None, error: BaseException | None = None) -> None:
+        """Settles one push and forgets its attempts, so their late answers are ignored."""
+        self._active.remove(p)
+        for rid in p.rids:
+            self._by_rid.pop(rid, None)
+        if error is not None:
+            p.future.set_exception(error)
+        else:
+            p.future.set_result(result)
+
+    def _fail_the_rest(self) -> None:
+        """On the way out: pushes in the window and still queued fail instead of waiting forever."""
+        for p in list(self._active):
+            self._finish(p, error=RuntimeError("push window closed"))
+        while True:
+            try:
+                item = self._submitted.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.future.set_exception(RuntimeError("push window closed"))

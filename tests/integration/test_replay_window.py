@@ -2,7 +2,8 @@
 one producer are outstanding at once and every group is acknowledged on its own; when the buffer
 process is killed with a full window unanswered and restarted on the same port, the window sends
 those pushes again with their tickets and every group is delivered to the learner exactly once
-(none lost, none doubled)."""
+(none lost, none doubled); against a scripted server, "full", an error, silence and a buffer full
+past its deadline each settle only their own group."""
 
 from __future__ import annotations
 
@@ -86,3 +87,67 @@ def test_server_restart_mid_window_loses_and_doubles_nothing(tmp_path: Path) -> 
         learner.close()
         proc.kill()
         proc.wait(10)
+
+
+def test_window_answers_full_errors_and_silence_per_group() -> None:
+    """The answers the real server cannot be made to give on demand, from a scripted ROUTER:
+    "full" twice then stored; a first attempt left unanswered (sent again on a fresh socket with
+    the same ticket, then stored); an error reply; a ticketless push left unanswered (fails, never
+    resent: the server could not deduplicate it); a buffer that stays full past block_s."""
+    import collections
+    import threading
+
+    import zmq
+
+    from asyncrl.protocol import ErrorReply, PushReply, decode, encode
+    from asyncrl.replay import BufferFull, BufferRequestError, BufferTimeout
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: collections.Counter[int] = collections.Counter()
+    stop = threading.Event()
+
+    def answer(ticket: int, n: int):  # n: this ticket's attempt number; None = stay silent
+        return {1: PushReply("full") if n <= 2 else PushReply("stored"),
+                2: None if n == 1 else PushReply("stored"),
+                3: ErrorReply("bad_request", "scripted"),
+                4: PushReply("full"),
+                -1: None}.get(ticket, PushReply("stored"))
+
+    def serve() -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(20):
+                ident, rid, msg, _blob = router.recv_multipart()
+                ticket = decode(msg).ticket
+                seen[ticket] += 1
+                reply = answer(ticket, seen[ticket])
+                if reply is not None:
+                    router.send_multipart([ident, rid, encode(reply)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = BufferClient(f"tcp://127.0.0.1:{port}", reply_grace_s=1.0)
+    window = PushWindow(client, window=3, block_s=3.0, attempt_s=1.0)
+    try:
+        futures = {t: window.submit(b"frame", None if t == -1 else t) for t in (1, 2, 3, 4, -1, 5, 6)}
+        outcome = {}
+        for t, f in futures.items():
+            try:
+                outcome[t] = f.result(timeout=60).status
+            except Exception as exc:  # noqa: BLE001 - the failure's type is the outcome
+                outcome[t] = type(exc)
+        assert outcome == {1: "stored", 2: "stored", 3: BufferRequestError, 4: BufferFull, -1: BufferTimeout,
+                           5: "stored", 6: "stored"}
+        assert seen[1] >= 3  # two "full", then stored
+        assert seen[2] >= 2 and window.resent >= 1  # the silent first attempt was sent again
+        assert seen[-1] == 1  # a ticketless push is never resent
+    finally:
+        window.close()
+        stop.set()
+        thread.join(5)
+        client.close()
+        router.close(0)
+        ctx.term()
