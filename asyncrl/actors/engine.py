@@ -114,12 +114,14 @@ class PolicyEngine:
                  weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
                  store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
                  version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
-                 limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3) -> None:
+                 limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3,
+                 worker_extension: str = EXTENSION) -> None:
         """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
         (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
         every weight load also resets vLLM's multimodal and encoder caches. `lora_adapter`: the
         `adapter_config.json` of a LoRA policy synced as adapters (`actors.lora.AdapterSlots`, at
-        most `lora_keep` versions loaded); versions then arrive as adapters, not weights."""
+        most `lora_keep` versions loaded); versions then arrive as adapters, not weights.
+        `worker_extension`: vLLM's `worker_extension_cls`, `EXTENSION` or a subclass of it (tests)."""
         import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -153,7 +155,7 @@ class PolicyEngine:
             enforce_eager=eager, enable_prefix_caching=cfg.enable_prefix_caching,
             max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
-            gpu_memory_utilization=memory, worker_extension_cls=EXTENSION,
+            gpu_memory_utilization=memory, worker_extension_cls=worker_extension,
             **({"weight_transfer_config": {"backend": NATIVE_BACKEND}} if self.weight_transfer == "native" else {}),
             logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
             **_lora_engine_kwargs(lora_adapter, lora_keep),

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import LoopThread, wordlevel_chatml_tokenizer
-from weight_faults import inject_fault, param_digests, param_sums
+from fault_extension import EXTENSION as FAULT_EXTENSION
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,8 @@ def setup(tmp_path_factory, request):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30)
+        return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30,
+                            worker_extension=FAULT_EXTENSION)  # + the tests' fault and read-back calls
 
     engine = lt.run(make())
     print(f"\nengine on {path} (prompt of {len(prompt)} tokens, weight path {request.param})")
@@ -175,13 +176,13 @@ def test_failed_buffered_round_leaves_the_model_exactly_as_it_was(setup):
     # (every layer on the meta device): finishing it must put back the very same weights.
     s = setup
     before_v = s.engine.version
-    before = s.lt.run(s.engine.llm.collective_rpc(param_sums))[0]
-    s.lt.run(s.engine.llm.collective_rpc(inject_fault, args=("corrupt_wire",)))
+    before = s.lt.run(s.engine.llm.collective_rpc("asyncrl_param_sums"))[0]
+    s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("corrupt_wire",)))
     res = _group_update(s, perturbed(s.hf, 0.05, seed=3), before_v + 1)
     print(f"\ncorrupted round: {res['status']} touched={res.get('touched')} error={res.get('error')}")
     assert res["status"] == "failed" and not res["touched"] and "recovered" not in res
     assert s.engine.version == before_v and not s.engine.unsafe
-    assert s.lt.run(s.engine.llm.collective_rpc(param_sums))[0] == before  # bit-identical, every parameter
+    assert s.lt.run(s.engine.llm.collective_rpc("asyncrl_param_sums"))[0] == before  # bit-identical, every parameter
     assert _group_update(s, perturbed(s.hf, 0.05, seed=4), before_v + 1)["status"] == "ok"  # and goes on
     assert s.engine.version == before_v + 1
 
@@ -317,7 +318,7 @@ def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(
     with _streamed(s, "test-engine-safe-load"):
         stored = perturbed(s.hf, 0.05, seed=21)
         _publish(s, stored, 20)
-        s.lt.run(s.engine.llm.collective_rpc(inject_fault, args=("fail_mid_stream",)))
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
         token_times: list[float] = []
 
         async def go():
@@ -375,15 +376,15 @@ def test_round_failing_inside_a_fused_projection_leaves_every_parameter_as_the_s
         stored = perturbed(s.hf, 0.05, seed=41)
         _publish(s, stored, 40)
         assert s.lt.run(s.engine.load_weights_from_store(min_version=-1))["status"] == "ok"
-        reference = s.lt.run(s.engine.llm.collective_rpc(param_digests))[0]
+        reference = s.lt.run(s.engine.llm.collective_rpc("asyncrl_param_digests"))[0]
         cut = _bytes_through(s.hf, "model.layers.0.self_attn.q_proj.")
-        s.lt.run(s.engine.llm.collective_rpc(inject_fault, args=("fail_mid_stream",)))
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
         res = _group_update(s, perturbed(s.hf, 0.05, seed=42), 41, bucket_mb=cut / 2**20)
         print(f"\nround failed inside qkv_proj: {res['status']} touched={res.get('touched')} "
               f"recovered={res.get('recovered', {}).get('status')}")
         assert res["status"] == "failed" and res["touched"] and res["recovered"]["status"] == "ok"
         assert s.engine.version == 40 and not s.engine.unsafe
-        after = s.lt.run(s.engine.llm.collective_rpc(param_digests))[0]
+        after = s.lt.run(s.engine.llm.collective_rpc("asyncrl_param_digests"))[0]
         assert set(after) == set(reference)
         differ = [n for n in reference if after[n] != reference[n]]
         assert not differ, f"parameters differing from the store's version after recovery: {differ}"
@@ -399,7 +400,7 @@ def test_paused_engine_keeps_catching_up_until_the_store_has_a_version(setup):
 
     s = setup
     with _streamed(s, "test-engine-catch-up"):
-        s.lt.run(s.engine.llm.collective_rpc(inject_fault, args=("fail_mid_stream",)))
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
         res = _group_update(s, perturbed(s.hf, 0.05, seed=51), 51)
         assert res["status"] == "paused_unsafe" and res["recovered"]["status"] == "no_store" and s.engine.unsafe
         stored = perturbed(s.hf, 0.05, seed=50)
@@ -426,7 +427,7 @@ def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_pe
         print(f"\nclean round: read-back checked {w['readback_checked']} parameters in {w['readback_s'] * 1e3:.2f} ms")
         assert clean["status"] == "ok" and w["readback_checked"] > 0 and s.engine.version == 31
         before = s.engine.fingerprint_mismatches
-        s.lt.run(s.engine.llm.collective_rpc(inject_fault, args=("readback", 1)))
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("readback", 1)))
         res = _group_update(s, perturbed(s.hf, 0.05, seed=33), 32)
         assert res["status"] == "fingerprint_mismatch" and res["fingerprint_mismatch"] == 1
         assert s.engine.fingerprint_mismatches == before + 1
@@ -434,7 +435,7 @@ def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_pe
         diff = max_logprob_diff(s, stored, sample_many(s, 4, seed0=800))
         assert diff < 1e-4, diff
         # persistent: the store's copy mismatches too -> loud failure, never generation
-        s.lt.run(s.engine.llm.collective_rpc(inject_fault, args=("readback", 2)))
+        s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("readback", 2)))
         with pytest.raises(WeightIntegrityError):
             _group_update(s, perturbed(s.hf, 0.05, seed=34), 33)
         assert s.engine.unsafe and _events_since_last_pause(s.engine)[-1] == "store_reload_mismatch"

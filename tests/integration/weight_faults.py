@@ -1,14 +1,10 @@
 """Faults for the weight-receive tests, injected through the receiver's seam (`RoundHook`) so that
 the real round breaks where a real one can: an element flipped on the wire, a stream cut after a
-bucket, a load that silently left a wrong value. Plain torch at import (no vLLM): a receiver in
-any process can take it. The functions at the end run inside a vLLM engine's worker, passed as
-callables to `collective_rpc` (which calls them with the worker; on CPU the engine core and its
-worker run in the test process): they arm faults on every receiver of the worker, on both
-weight paths, and read the model's parameters back."""
+bucket, a load that silently left a wrong value. Plain torch (no vLLM): a receiver in any process
+can take it; `fault_extension.py` arms it inside a vLLM engine's worker."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -55,38 +51,3 @@ class InjectedFaults(RoundHook):
             with torch.no_grad():
                 dict(model.named_parameters())["model.norm.weight"].view(-1)[:].add_(1.0)
 
-
-def _worker(wrapper: Any) -> Any:
-    """The worker a `collective_rpc` callable runs on (vLLM hands it its worker wrapper)."""
-    return getattr(wrapper, "worker", wrapper)
-
-
-def inject_fault(wrapper: Any, kind: str, count: int = 1) -> None:
-    """Arm `kind` (`InjectedFaults`) in the worker's one `InjectedFaults`, the round hook of every
-    receiver it has and will make: the worker extension's and the native transfer engine's."""
-    from asyncrl.actors.worker_extension import AsyncrlTransferEngine
-
-    worker = _worker(wrapper)
-    faults = worker.__dict__.get("asyncrl_round_hook")
-    if not isinstance(faults, InjectedFaults):
-        faults = worker.asyncrl_round_hook = InjectedFaults()
-    receivers = list(worker.__dict__.get("_asyncrl_receivers", {}).values())
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if isinstance(engine, AsyncrlTransferEngine):
-        engine.round_hook = faults
-        receivers += engine.receivers.values()
-    for receiver in receivers:
-        receiver.hook = faults
-    faults.arm(kind, count)
-
-
-def param_digests(wrapper: Any) -> dict[str, str]:
-    """SHA-256 of every parameter's bytes (is the model bit-identical to a version)."""
-    model = _worker(wrapper).model_runner.get_model()
-    return {n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, p in model.named_parameters()}
-
-
-def param_sums(wrapper: Any) -> dict[str, float]:
-    """Sum of every parameter (did the update reach the model at all)."""
-    return {n: float(p.detach().double().sum()) for n, p in _worker(wrapper).model_runner.get_model().named_parameters()}
