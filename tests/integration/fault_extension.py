@@ -1,5 +1,5 @@
 """The vLLM worker extension the engine tests build their engine with
-(`PolicyEngine(..., worker_extension=fault_extension.EXTENSION)`): asyncrl's own
+(`PolicyEngine(..., worker_extension="fault_extension.FaultInjectingExtension")`): asyncrl's own
 `WeightReceiverExtension` plus what only tests call through `collective_rpc` — arming a fault
 (`weight_faults.InjectedFaults`) on every receiver of the worker, on both weight paths, and
 reading the model's parameters back. vLLM imports it by name in its engine-core process, which
@@ -13,8 +13,6 @@ import torch
 from weight_faults import InjectedFaults
 
 from asyncrl.actors.worker_extension import AsyncrlTransferEngine, WeightReceiverExtension
-
-EXTENSION = f"{__name__}.FaultInjectingExtension"
 
 
 class FaultInjectingExtension(WeightReceiverExtension):

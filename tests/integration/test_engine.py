@@ -22,13 +22,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import LoopThread, wordlevel_chatml_tokenizer
-from fault_extension import EXTENSION as FAULT_EXTENSION
 
 pytestmark = pytest.mark.integration
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]  # <|im_start|> user \n 3 + 5 <|im_end|> \n <|im_start|> assistant \n
 QUICKSTART = Path(__file__).resolve().parents[2] / "assets" / "tiny-policy"
+# the production extension plus the tests' fault and read-back calls (fault_extension.py beside
+# this file; vLLM imports it by name in its engine-core process)
+FAULT_EXTENSION = "fault_extension.FaultInjectingExtension"
 
 
 def build_tiny_qwen(path: Path, *, tie: bool = False, seed: int = 0) -> Path:
@@ -95,7 +97,7 @@ def setup(tmp_path_factory, request):
 
     async def make():
         return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30,
-                            worker_extension=FAULT_EXTENSION)  # + the tests' fault and read-back calls
+                            worker_extension=FAULT_EXTENSION)
 
     engine = lt.run(make())
     print(f"\nengine on {path} (prompt of {len(prompt)} tokens, weight path {request.param})")
