@@ -101,14 +101,21 @@ def preflight(cfg: Config) -> None:
     import ray
 
     from asyncrl.addresses import insecure_listeners, is_loopback, resolve_hosts
-    from asyncrl.cluster import interface_problems, probe_nodes, resource_problems, shm_problems
+    from asyncrl.cluster import (
+        interface_problems,
+        probe_nodes,
+        probe_this_node,
+        resource_problems,
+        shm_problems,
+    )
     from asyncrl.preflight import check_nodes, refusals
 
     where = cfg.cluster.ray_address or "embedded"
     problems = resource_problems(cfg, ray.nodes(), where)
     if problems:
         raise StartupError("the cluster cannot place this job: " + "; ".join(problems))
-    probes = probe_nodes(cfg.cluster.startup_timeout_s)
+    # the embedded cluster's one node is the driver's: probed here, without a task's worker process
+    probes = probe_nodes(cfg.cluster.startup_timeout_s) if cfg.cluster.ray_address else probe_this_node()
     problems = shm_problems(cfg, probes) + interface_problems(cfg, probes) + refusals(check_nodes(cfg, probes))
     if problems:
         raise StartupError("; ".join(problems))
