@@ -180,6 +180,16 @@ def probe_nodes(timeout_s: float = 60.0) -> list[dict[str, Any]]:
     return out
 
 
+def probe_this_node() -> list[dict[str, Any]]:
+    """`probe_nodes` for a cluster whose one node is the caller's (the embedded one): probed in
+    this process, so no Ray worker process is started (and left idle) for the probe task."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return [{**_probe(), "node_id": n["NodeID"], "resources": n.get("Resources", {})}
+            for n in ray.nodes() if n.get("Alive") and n["NodeID"] == here]
+
+
 def hosts_engine_or_learner(cfg: Config, resources: dict[str, float]) -> bool:
     for role, count, unit in role_demands(cfg):
         if role in ("learner", "rollout") and count > 0 and all(resources.get(k, 0.0) >= v for k, v in unit.items()):

@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from asyncrl.cluster import probe_this_node
 from asyncrl.config import Config
 from asyncrl.runtime import embedded_ray_options
 
@@ -44,6 +45,15 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
     ray.init(**options, runtime_env={"env_vars": {"ASYNCRL_TEST_JOB_ENV": "1"}}, logging_level="WARNING",
              log_to_driver=False)
     try:
+        raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
+        probes = probe_this_node()  # the preflight's node probe on the embedded cluster
+        node = ray.nodes()[0]
+        assert [(p["node_id"], p["ip"]) for p in probes] == [(node["NodeID"], node["NodeManagerAddress"])]
+        assert probes[0]["resources"]["CPU"] == options["num_cpus"]
+        assert probes[0]["shm_bytes"] > 0 and probes[0]["interfaces"]
+        time.sleep(3)
+        assert _python_workers(raylet) == set()  # a probe task (asyncrl.cluster.probe_nodes) would leave one
+
         @ray.remote(num_cpus=0)
         class Probe:
             def pid(self) -> int:
@@ -55,7 +65,6 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
         probe = Probe.remote()
         actor_pid = ray.get(probe.pid.remote(), timeout=120)
         assert ray.get(probe.job_env.remote(), timeout=60) == "1"  # the job's runtime_env reached the actor
-        raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
         time.sleep(3)  # a prestart is issued when the driver registers; give it time to show
         assert _python_workers(raylet) == {actor_pid}  # num_cpus (>= 4) idle workers without the option
     finally:
