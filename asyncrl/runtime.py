@@ -44,12 +44,16 @@ def prepare_run_dir(cfg: Config) -> Path:
 
 
 def find_resume(cfg: Config, run_dir: Path) -> Path | None:
-    from asyncrl.learner.checkpoint import latest_checkpoint
-
+    """The checkpoint to resume from. A fresh run's empty checkpoint directory is answered without
+    importing the checkpoint module (it imports torch: seconds on the driver before Ray starts)."""
     mode = cfg.trainer.resume
     if mode == "never":
         return None
     if mode == "auto":
+        if not any((run_dir / "checkpoints").glob("step_*")):
+            return None
+        from asyncrl.learner.checkpoint import latest_checkpoint
+
         return latest_checkpoint(run_dir / "checkpoints")
     path = Path(mode)
     if not path.exists():
