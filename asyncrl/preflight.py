@@ -296,18 +296,19 @@ def check_engine_budget(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]
 
 def _cpu_kv_cache_row(cfg: Config, policy: ModelFiles) -> Row:
     """KV bytes of one max_model_len sequence (2 x layers x kv heads x head dim x dtype bytes per
-    token, no block rounding: a lower bound) against VLLM_CPU_KVCACHE_SPACE (whole GiB, >= 1)."""
+    token, no block rounding: a lower bound) against `rollout.cpu_kvcache_gb` (the engine's
+    `kv_cache_memory_bytes`, asyncrl.actors.engine)."""
     t = policy.text
     heads = t.get("num_attention_heads") or 0
     layers, kv_heads = t.get("num_hidden_layers") or 0, t.get("num_key_value_heads") or heads
     head_dim = t.get("head_dim") or ((t.get("hidden_size") or 0) // heads if heads else 0)
     dtype = cfg.rollout.engine_dtype
     per_token = 2 * layers * kv_heads * head_dim * KV_CACHE_DTYPE_BYTES.get(dtype, 4)
-    space = int(max(1, cfg.rollout.cpu_kvcache_gb))  # what asyncrl.cluster.job_runtime_env exports
+    space = cfg.rollout.cpu_kvcache_gb
     need = per_token * cfg.rollout.max_model_len
-    ok = need <= space * 2**30
+    ok = need <= int(space * 2**30)
     return Row("CPU KV cache", ok, f"one sequence of rollout.max_model_len={cfg.rollout.max_model_len} needs "
-               f"{need / 2**30:.3f} GiB ({per_token} B/token in {dtype}), rollout.cpu_kvcache_gb gives {space} GiB",
+               f"{need / 2**30:.3f} GiB ({per_token} B/token in {dtype}), rollout.cpu_kvcache_gb gives {space:g} GiB",
                "" if ok else "raise rollout.cpu_kvcache_gb or lower rollout.max_model_len")
 
 
@@ -529,8 +530,9 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
     rank = mem.rank_bytes(shape, ranks=cfg.learner_world_size, zero_stage=cfg.learner.zero_stage,
                           bf16=cfg.learner_precision == "bf16", micro_batch_tokens=tokens,
                           logit_tokens=min(tokens, samples * (cfg.data.max_response_length + 1)),
-                          reference=cfg.learner.kl.enable and not cfg.model.lora.enable, gpu=False,
-                          trainable_fraction=0.02 if cfg.model.lora.enable else 1.0)
+                          reference=cfg.learner.kl.enable, gpu=False,
+                          adapter_params=mem.lora_params(policy.text, cfg.model.lora.rank, cfg.model.lora.target_modules)
+                          if cfg.model.lora.enable else None)
     engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB))
     parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,

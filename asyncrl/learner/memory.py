@@ -14,7 +14,10 @@ N = ranks, w = 2 bytes in bf16, 4 in fp32; "/N" where the ZeRO stage partitions 
   4*P/N (fp32); at stage 0 the .grad w*P;
 - optimizer: fp32 master weights 4*P and Adam's two moments 8*P (/N from stage 1); in fp32 the
   master copy is still DeepSpeed's own flat partition under ZeRO 1-3 (4*P/N), none at stage 0;
-- reference model (`learner.kl.enable`, not LoRA): a full replica in the model dtype, w*P;
+- reference model (`learner.kl.enable`): a full replica in the model dtype, w*P; none with LoRA,
+  whose reference is the same model with its adapter disabled;
+- LoRA (`model.lora`, A adapter parameters from `lora_params`): the frozen base w*P plus the
+  adapter w*A (sharded from stage 3), and gradients and optimizer state above count A, not P;
 - activations with gradient checkpointing: the hidden state kept at every layer boundary
   (tokens * hidden * w per layer) plus one layer's recomputed activations during its backward
   (measured by gpu_check S3 per token; else `LAYER_ACT_FACTOR` hidden-state equivalents);
@@ -76,13 +79,16 @@ def shape_for(model_path: str) -> ModelShape | None:
 
 def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, micro_batch_tokens: int,
                reference: bool, act_bytes_per_token_layer: float | None = None, gpu: bool = True,
-               trainable_fraction: float = 1.0, logit_tokens: int | None = None) -> dict[str, int]:
+               adapter_params: float | None = None, logit_tokens: int | None = None) -> dict[str, int]:
     """Bytes one learner rank holds at its peak, by component (see the module docstring).
     `act_bytes_per_token_layer`: one layer's recomputed activations per token, measured (S3);
-    `logit_tokens`: response tokens of a micro-batch (the learner keeps logits for those only;
-    default `micro_batch_tokens`, an upper bound)."""
+    `adapter_params`: LoRA's trainable parameters (`lora_params`; None = full fine-tuning): only
+    they have gradients and optimizer state, and `reference` then costs nothing (the adapter is
+    disabled, no replica); `logit_tokens`: response tokens of a micro-batch (the learner keeps
+    logits for those only; default `micro_batch_tokens`, an upper bound)."""
     p, n, w = shape.params, max(1, ranks), 2 if bf16 else 4
-    t = p * trainable_fraction
+    lora = adapter_params is not None
+    t = float(adapter_params) if lora else p
     shard3 = n if zero_stage >= 3 else 1
     shard1 = n if zero_stage >= 1 else 1
     if zero_stage >= 2:  # reduce-scattered per bucket into the rank's fp32 partition
@@ -97,10 +103,10 @@ def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, mi
     out = {
         # stage 3: the rank's partition, plus gathered parameters that stay live (up to
         # stage3_max_live_parameters = 1e9 elements, asyncrl.learner.build)
-        "parameters": w * p / shard3 + (w * min(p, 1e9) if zero_stage >= 3 and n > 1 else 0),
+        "parameters": w * (p + (t if lora else 0)) / shard3 + (w * min(p, 1e9) if zero_stage >= 3 and n > 1 else 0),
         "gradients": grads,
         "optimizer (fp32 master + Adam moments)": master + 8 * t / shard1,
-        "reference model": w * p if reference else 0,
+        "reference model": w * p if reference and not lora else 0,
         "activations (checkpointed)": tokens * shape.hidden * w * shape.layers + tokens * layer_act,
         "logits (+ gradient, fp32 chunks)": 2 * (tokens if logit_tokens is None else logit_tokens) * shape.vocab * w
         + 2 * 2 * min(CHUNK_ROWS, tokens if logit_tokens is None else logit_tokens) * shape.vocab * 4,
@@ -129,6 +135,21 @@ def shape_from_config(config: dict, name: str = "model") -> ModelShape:
     attention = h * heads * head_dim * 2 + h * kv * head_dim * 2
     params = vocab * h * (1 if config.get("tie_word_embeddings") else 2) + layers * (attention + 3 * h * inter)
     return ModelShape(name, float(params), layers, h, vocab)
+
+
+def lora_params(config: dict, rank: int, target_modules: list[str] | tuple[str, ...]) -> int:
+    """Parameters of a LoRA adapter of `rank` on a decoder's config.json (its text part): every
+    targeted linear of every layer adds A (rank x in) and B (out x rank), rank * (in + out), with
+    the shapes of `shape_from_config`'s count (grouped KV heads, the gated MLP). Names outside the
+    attention and MLP projections (refused by the config for vLLM anyway) add nothing."""
+    h, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads = int(config.get("num_attention_heads", 1))
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    inter = int(config.get("intermediate_size", 4 * h))
+    dims = {"q_proj": (h, heads * head_dim), "k_proj": (h, kv * head_dim), "v_proj": (h, kv * head_dim),
+            "o_proj": (heads * head_dim, h), "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return layers * sum(rank * sum(dims[m]) for m in set(target_modules) if m in dims)
 
 
 def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int) -> dict[str, int]:
