@@ -129,8 +129,8 @@ class PolicyEngine:
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.on_gpu = torch.cuda.is_available() and cfg.gpus_per_actor > 0
         self.tensor_parallel = max(1, cfg.gpus_per_actor) if self.on_gpu else 1
-        if not self.on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.cpu_kvcache_gb))))
+        if not self.on_gpu:  # the KV cache is sized in bytes below; this (whole GiB) would override it
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         self.version = version
         # all buckets before loading (a failed round leaves the weights untouched) on CPU; on
         # GPUs stream bucket by bucket (no second copy of the model in GPU memory), so a failed
@@ -163,6 +163,9 @@ class PolicyEngine:
             # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
             # token budget instead, and per-request seeds stay safe.
             enable_chunked_prefill=self.on_gpu,
+            # CPU: `rollout.cpu_kvcache_gb`, fractions included; vLLM zero-fills all of it at start-up
+            # (touching 1 GiB took 3.1 CPU-s on the loaded 2-core machine; the quick start needs ~0.1)
+            kv_cache_memory_bytes=None if self.on_gpu else int(cfg.cpu_kvcache_gb * 2**30),
         )
         # read by vLLM when it builds the engine config and the engine-core process (inherited)
         os.environ.update(engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process))

@@ -132,7 +132,8 @@ class RolloutConfig(Section):
     """vLLM GPU memory fraction; None = derived: 0.9 with gpus_per_actor > 0 (the rollout actor
     owns its GPUs), else 0.6."""
     cpu_kvcache_gb: float = Field(1.0, gt=0)
-    """vLLM CPU build: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    """vLLM CPU build: KV cache size in GiB, fractions allowed (vLLM's `kv_cache_memory_bytes`);
+    vLLM zero-fills all of it when the engine starts."""
     enforce_eager: bool | None = None
     """Disable CUDA graphs; None = derived: False (CUDA graphs on: 2-3x faster decode; vLLM's
     in-place reload keeps their storage valid) with gpus_per_actor > 0, True on CPU."""
