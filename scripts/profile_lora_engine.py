@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -159,7 +160,7 @@ def layer_slices(config: dict[str, Any]) -> list[tuple[str, int, list[int]]]:
 
 
 def time_layer_ops(config: dict[str, Any], rank: int, tokens: int, seqs: int, slots: int,
-                   grouped: bool, repeats: int = 5) -> float:
+                   grouped: bool, repeats: int = 3) -> float:
     """Median seconds of one layer's LoRA work for `tokens` tokens of `seqs` sequences that all use
     adapter slot 0: vLLM's `sgmv_shrink` + `sgmv_expand_slice` per slice (what `PunicaWrapperCPU`
     runs on CPU, where the mapping is always "prefill"), or, with `grouped`, the same arithmetic
@@ -216,16 +217,16 @@ def ops_main(args: argparse.Namespace) -> None:
         shapes[Path(args.ops_model).stem] = _config_json(args.ops_model)
     slots = cfg.buffer.max_staleness + 2
     out = []
-    for name, config in shapes.items():
+    for (name, config), rank in itertools.product(shapes.items(), sorted({cfg.model.lora.rank, 8})):
         for phase, tokens, seqs in (("decode step", args.prompts, args.prompts),
                                     ("prefill", args.prompts * args.prompt_len, args.prompts)):
-            vllm_s = time_layer_ops(config, cfg.model.lora.rank, tokens, seqs, slots, grouped=False)
-            mm_s = time_layer_ops(config, cfg.model.lora.rank, tokens, seqs, slots, grouped=True)
-            row = {"model": name, "phase": phase, "tokens": tokens, "vllm_ms_per_layer": 1e3 * vllm_s,
+            vllm_s = time_layer_ops(config, rank, tokens, seqs, slots, grouped=False)
+            mm_s = time_layer_ops(config, rank, tokens, seqs, slots, grouped=True)
+            row = {"model": name, "rank": rank, "phase": phase, "tokens": tokens, "vllm_ms_per_layer": 1e3 * vllm_s,
                    "vllm_us_per_token_layer": 1e6 * vllm_s / tokens, "matmul_ms_per_layer": 1e3 * mm_s,
                    "ratio": vllm_s / mm_s}
             out.append(row)
-            print(f"{name:<16} {phase:<12} {tokens:>5} tokens: vLLM ops {row['vllm_ms_per_layer']:8.2f} ms/layer "
+            print(f"{name:<16} r{rank:<3} {phase:<12} {tokens:>5} tokens: vLLM ops {row['vllm_ms_per_layer']:8.2f} ms/layer "
                   f"({row['vllm_us_per_token_layer']:6.1f} us/token/layer), matmuls {row['matmul_ms_per_layer']:7.2f} "
                   f"ms/layer (x{row['ratio']:.1f})", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
