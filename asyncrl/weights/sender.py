@@ -63,6 +63,17 @@ class BroadcastReport:
         return dict(self.__dict__)
 
 
+@dataclass
+class _Sent:
+    """What `_send_buckets` put on the wire: sizes for the report, the fingerprint the members
+    check, and the first bucket that failed (None: every bucket arrived)."""
+
+    nbytes: int = 0
+    nbuckets: int = 0
+    fingerprint: dict[str, list[float]] = field(default_factory=dict)
+    failed_at: int | None = None
+
+
 class WeightSender:
     """Rank-0 side of the weight group. Not thread-safe; one broadcast at a time.
 
@@ -250,54 +261,78 @@ class WeightSender:
         dropped_before = self.dropped_total
         self.store.set(f"{PREFIX}/announce", str(version))
         self._absorb_join_requests()
+        rebuilds = self._start_round(version)
+        members = list(self.group_members)
+        self._broadcasts += 1
+        publishing = self.publish and (self._broadcasts - 1) % self.publish_every == 0
+        publish_wait_s = self._begin_store_copy() if publishing else 0.0
+        store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None = [] if publishing else None
+        rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
+        sent = self._send_buckets(weights, members, rk, store_copy)
+        acked, failed_s = self._end_round(members, rk, version, sent) if members else ([], None)
+        report = BroadcastReport(version=version, seconds=0.0, bytes=sent.nbytes, buckets=sent.nbuckets,
+                                 members=members, acked=acked, rebuilds=rebuilds,
+                                 dropped=list(self.dropped_ids[dropped_before:]))
+        report.failed_at, report.failure_handling_s = sent.failed_at, failed_s
+        if store_copy is not None:
+            tp = time.perf_counter()
+            self._start_publish(store_copy, version)
+            report.published, report.publish_wait_s = True, publish_wait_s + time.perf_counter() - tp
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _start_round(self, version: int) -> int:
+        """Opens round `self.seq` once every member has entered it, dropping the members that did
+        not within `timeout_s` (and trying again with the rest, rebuilding the group first if a
+        drop left it dirty); the waiting members see an aborted round and wait for a newer
+        generation. Returns the number of rebuilds; with no members left, no round is opened."""
         rebuilds = 0
-        start_round = False
-        while not start_round:
+        while True:
             if self._dirty:
                 self.rebuild()
                 rebuilds += 1
             if not self.group_members:
-                break
+                return rebuilds
             self.seq += 1
             rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
             missing = self._wait_keys({m: f"{rk}/enter/{m}" for m in self.group_members},
                                       time.monotonic() + self.timeout_s)
-            if missing:
-                self._drop(missing, "did not enter the weight round")
-                # waiting members see the abort and wait for a generation newer than this one
-                self.store.set(f"{rk}/start", json.dumps({"go": False}))
-                continue
-            self.store.set(f"{rk}/start", json.dumps({"go": True, "version": version}))
-            start_round = True
+            if not missing:
+                self.store.set(f"{rk}/start", json.dumps({"go": True, "version": version}))
+                return rebuilds
+            self._drop(missing, "did not enter the weight round")
+            self.store.set(f"{rk}/start", json.dumps({"go": False}))
 
-        members = list(self.group_members)
-        self._broadcasts += 1
-        publishing = self.publish and (self._broadcasts - 1) % self.publish_every == 0
-        store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None = [] if publishing else None
-        publish_wait_s = 0.0
-        if publishing:  # the arena is reused: the previous version must be in the store first
-            tw = time.perf_counter()
-            self.flush()
-            publish_wait_s = time.perf_counter() - tw
-            self.arena.begin()
-        fingerprint: dict[str, list[float]] = {}
-        nbytes = nbuckets = 0
-        failed_at: int | None = None
+    def _begin_store_copy(self) -> float:
+        """The host arena is reused for every published version, so the previous version must be
+        in the store before this one's copy starts; returns the seconds spent waiting for it."""
+        tw = time.perf_counter()
+        self.flush()
+        publish_wait_s = time.perf_counter() - tw
+        self.arena.begin()
+        return publish_wait_s
+
+    def _send_buckets(self, weights: WeightsInput, members: list[str], rk: str,
+                      store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None) -> _Sent:
+        """Packs and broadcasts the buckets, bucket i packed while bucket i-1 is on the wire, each
+        under its own `timeout_s` deadline. After a failure (or with no members) the remaining
+        buckets are still packed, and copied for the store, but not sent: the iterator must be
+        consumed to the end (ZeRO-3 gathers are collective across learner ranks)."""
+        sent = _Sent()
         work = None  # the collective of the previous bucket (the Work object holds its tensor)
         bucket_deadline = 0.0
-        rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
         if self.device is not None:
             torch.cuda.set_device(self.device)  # before the exporter's gathers and our sends
         for i, (manifest, flat) in enumerate(pack_buckets(weights, self.bucket_bytes)):
-            nbytes += flat.numel() * flat.element_size()
-            nbuckets += 1
+            sent.nbytes += flat.numel() * flat.element_size()
+            sent.nbuckets += 1
             if self.device is not None and flat.device != self.device:
                 flat = flat.to(self.device)
             if store_copy is not None:
                 store_copy.append((manifest, self.arena.copy(flat)))
-            if not members or failed_at is not None:
+            if not members or sent.failed_at is not None:
                 continue
-            fingerprint.update(bucket_fingerprint(manifest, flat))
+            sent.fingerprint.update(bucket_fingerprint(manifest, flat))
             on_wire = i - 1
             try:
                 if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
@@ -307,47 +342,51 @@ class WeightSender:
                 work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
                 bucket_deadline = time.monotonic() + self.timeout_s
             except Exception as exc:  # noqa: BLE001 - the watchdog path
-                failed_at, work = on_wire, None
+                sent.failed_at, work = on_wire, None
                 log.warning("weight sync: broadcast of bucket %d failed: %s", on_wire, exc)
-        if members and failed_at is None:
+        if members and sent.failed_at is None:
             try:
                 if work is not None:
                     wait_work(work, bucket_deadline)
             except Exception as exc:  # noqa: BLE001
-                failed_at = nbuckets - 1
+                sent.failed_at = sent.nbuckets - 1
                 log.warning("weight sync: last bucket failed: %s", exc)
+        return sent
+
+    def _end_round(
+        self, members: list[str], rk: str, version: int, sent: _Sent
+    ) -> tuple[list[str], float | None]:
+        """Closes the round with its end header (bucket count, fingerprint), then collects the
+        acks; members that nack or do not ack in `timeout_s` are dropped. After a failed bucket
+        the group is aborted first (NCCL: frees the stuck kernels) and the members that stopped
+        heartbeating are dropped as the culprits. Returns (acked members, seconds from the
+        failure to the culprits being dropped, or None)."""
+        failed_at = sent.failed_at
         acked: list[str] = []
+        missing: list[str] = []
         failed_s = None
-        if members:
-            if failed_at is not None:
-                # abort first (NCCL: frees the stuck kernels), then find who stopped responding
-                # while the live members still heartbeat, then tell them the round is over
-                t_fail = time.monotonic()
-                self._destroy_group()
-                missing = self._unresponsive(members, rk)
-                self.store.set(f"{rk}/abort", "1")
-                failed_s = time.monotonic() - t_fail
-            end = {"end": True, "version": version, "buckets": nbuckets, "failed": failed_at is not None,
-                   "fingerprint": fingerprint}
-            # after a failure, members that got bucket `failed_at` wait for header failed_at + 1
-            self.store.set(f"{rk}/h{nbuckets if failed_at is None else failed_at + 1}", json.dumps(end))
-            if failed_at is None:
-                missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members}, time.monotonic() + self.timeout_s)
-                missing += [m for m in members if m not in missing and self.store.get(f"{rk}/ack/{m}") != b"1"]  # nacks
-                acked = [m for m in members if m not in missing]
-            if missing:
-                self._drop(missing, "hung in the weight broadcast" if failed_at is not None else "did not ack")
-            if failed_at is not None:
-                self._dirty = True  # the group is broken for everyone; rebuild next time
-        report = BroadcastReport(version=version, seconds=0.0, bytes=nbytes, buckets=nbuckets, members=members,
-                                 acked=acked, dropped=list(self.dropped_ids[dropped_before:]), rebuilds=rebuilds)
-        report.failed_at, report.failure_handling_s = failed_at, failed_s
-        if store_copy is not None:
-            tp = time.perf_counter()
-            self._start_publish(store_copy, version)
-            report.published, report.publish_wait_s = True, publish_wait_s + time.perf_counter() - tp
-        report.seconds = time.perf_counter() - t0
-        return report
+        if failed_at is not None:
+            # find who stopped responding while the live members still heartbeat, then tell them
+            # the round is over
+            t_fail = time.monotonic()
+            self._destroy_group()
+            missing = self._unresponsive(members, rk)
+            self.store.set(f"{rk}/abort", "1")
+            failed_s = time.monotonic() - t_fail
+        end = {"end": True, "version": version, "buckets": sent.nbuckets, "failed": failed_at is not None,
+               "fingerprint": sent.fingerprint}
+        # after a failure, members that got bucket `failed_at` wait for header failed_at + 1
+        self.store.set(f"{rk}/h{sent.nbuckets if failed_at is None else failed_at + 1}", json.dumps(end))
+        if failed_at is None:
+            missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members},
+                                      time.monotonic() + self.timeout_s)
+            missing += [m for m in members if m not in missing and self.store.get(f"{rk}/ack/{m}") != b"1"]  # nacks
+            acked = [m for m in members if m not in missing]
+        if missing:
+            self._drop(missing, "hung in the weight broadcast" if failed_at is not None else "did not ack")
+        if failed_at is not None:
+            self._dirty = True  # the group is broken for everyone; rebuild next time
+        return acked, failed_s
 
     # ---- publishing -------------------------------------------------------------------------
     def _start_publish(self, buckets: list[tuple[dict[str, Any], torch.Tensor]], version: int) -> None:
