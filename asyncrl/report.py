@@ -343,7 +343,8 @@ def group_mix_table(rows: list[dict[str, Any]]) -> str:
     means = [f"{k.replace('_', ' ')} {_fmt(last.get(f'buffer/mix/{k}/len_mean'), 1)}" for k in kinds
              if _num(last.get(f"buffer/mix/{k}/len_mean")) is not None]
     out.append(f"<p class='muted'>Policy tokens per sample: {_e(', '.join(means))}. Counts over the run up to step "
-               f"{_e(last.get('step'))}; delivered groups are the ones the learner trained.</p>")
+               f"{_e(last.get('step'))}; delivered groups are the ones the learner trained; generated minus delivered "
+               "minus dropped were still in the buffer then.</p>")
     return "".join(out)
 
 
