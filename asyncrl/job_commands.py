@@ -19,17 +19,19 @@ from asyncrl.startup import say
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from asyncrl.trainer import Trainer
+Loop = Any
+"""The running `asyncrl.trainer.Trainer`, by duck type: the trainer imports this module, so this
+module does not import it back (not even for types; tests/unit/test_import_cycles.py)."""
 
 
-def handlers(trainer: Trainer) -> dict[str, Callable[..., dict[str, Any]]]:
+def handlers(trainer: Loop) -> dict[str, Callable[..., dict[str, Any]]]:
     """The commands the job executes, by the name ctl queues them under, bound to `trainer`."""
     table = {"scale": scale, "swap-verifier": swap_verifier, "dry-run-verifier": dry_run_verifier,
              "checkpoint": checkpoint, "stop": stop}
     return {name: partial(fn, trainer) for name, fn in table.items()}
 
 
-def run_queued(trainer: Trainer) -> None:
+def run_queued(trainer: Loop) -> None:
     """Execute the commands queued on the coordinator since the last step; post each result."""
     import ray
 
@@ -42,11 +44,11 @@ def run_queued(trainer: Trainer) -> None:
         ray.get(coordinator.post_result.remote(cmd["id"], result))
 
 
-def scale(trainer: Trainer, n: int) -> dict[str, Any]:
+def scale(trainer: Loop, n: int) -> dict[str, Any]:
     return trainer.fleet.scale(n, trainer.cfg.cluster.startup_timeout_s)
 
 
-def swap_verifier(trainer: Trainer, verifier: dict[str, Any]) -> dict[str, Any]:
+def swap_verifier(trainer: Loop, verifier: dict[str, Any]) -> dict[str, Any]:
     """Deploy `verifier` in place of the running one; the loop's config takes it only if the swap held."""
     from asyncrl.serve.deploy import swap_verifier as deploy_swap
 
@@ -57,18 +59,18 @@ def swap_verifier(trainer: Trainer, verifier: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-def dry_run_verifier(trainer: Trainer, verifier: dict[str, Any], last: int = 64) -> dict[str, Any]:
+def dry_run_verifier(trainer: Loop, verifier: dict[str, Any], last: int = 64) -> dict[str, Any]:
     """What swapping to `verifier` would change, on the job's last stored verifier requests."""
     from asyncrl.serve.dryrun import dry_run
 
     return dry_run(VerifierConfig.model_validate(verifier), last, trainer.cfg.rollout.guide.stop_token)
 
 
-def checkpoint(trainer: Trainer) -> dict[str, Any]:
+def checkpoint(trainer: Loop) -> dict[str, Any]:
     path = trainer.checkpoint()
     return {"ok": True, "path": str(path), "step": trainer.step, "version": trainer.version}
 
 
-def stop(trainer: Trainer) -> dict[str, Any]:
+def stop(trainer: Loop) -> dict[str, Any]:
     trainer.stop_requested_by_ctl = True
     return {"ok": True, "message": f"stopping after step {trainer.step}"}
