@@ -59,7 +59,8 @@ def vl(request):
     model = load_vl_model(str(path)).eval()
     bias = vision_logit_bias(model.config)
     bias[processor.tokenizer.convert_tokens_to_ids("<|im_end|>")] = 4.5
-    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
+    # kv_cache_memory_bytes: without it vLLM's CPU worker asks for 92 % of the machine's memory free
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0, kv_cache_memory_bytes=256 << 20,
               limit_mm_per_prompt={"image": 2, "video": 0}, logprobs_mode="processed_logprobs",
               max_num_batched_tokens=2048, max_num_seqs=4, disable_log_stats=True)
     yield SimpleNamespace(arch=request.param, llm=llm, processor=processor, model=model,
