@@ -148,6 +148,7 @@ def _check_history(run: Path, steps: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # ~3 min of a whole job with kills; moved out of the default suite for its time budget
 def test_chaos_buffer_host_and_coordinator_killed_once_each(tmp_path: Path) -> None:
     steps = 10
     run, text, _ = _chaos_run(tmp_path, steps, [("buffer", 2), ("coordinator", 4)])

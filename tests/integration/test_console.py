@@ -41,6 +41,7 @@ def launch(run_dir: Path, *extra: str, verbose: bool = False) -> subprocess.Comp
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # a whole launch as a subprocess (~1.5-3 min); default-suite time budget
 def test_quiet_console_and_logs_report_status(tmp_path: Path) -> None:
     proc = launch(tmp_path)
     console = (proc.stdout + proc.stderr).splitlines()

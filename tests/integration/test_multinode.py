@@ -86,6 +86,7 @@ def launch(cluster: NetnsCluster, run_dir: Path, *overrides: str, config: str = 
 
 
 # ------------------------------------------------------------------------------------- training
+@pytest.mark.slow  # a two-host training job (~2.5 min); default-suite time budget
 @needs_netns
 @pytest.mark.timeout(1800)  # a vLLM engine start took over 10 minutes here at load average 60
 def test_two_node_job_trains_across_hosts_with_matching_logprobs(cluster: NetnsCluster, tmp_path: Path) -> None:
