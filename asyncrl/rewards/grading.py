@@ -15,7 +15,7 @@ Departs (on purpose):
   equal after this normalisation are correct without calling sympy.
 - math-verify's own timeouts use `signal.alarm`, which raises outside the main thread (rewards
   run in a thread pool). We disable them (`parsing_timeout=None`, `timeout_seconds=None`) and bound
-  the time ourselves: `deadline(seconds)` raises `GradingTimeout` inside the grading thread via
+  the time ourselves: `call_with_deadline(seconds, fn)` raises `GradingTimeout` inside the grading thread via
   `PyThreadState_SetAsyncExc` (works in any thread; sympy is pure Python so it is interrupted
   between bytecodes). A single long C-level operation (a huge integer power) cannot be
   interrupted that way, so answers with risky exponents or factorials skip the symbolic check
@@ -28,15 +28,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import FrameType
+from typing import TypeVar
 
 __all__ = [
     "GradingTimeout",
     "answer_format_ok",
-    "deadline",
+    "call_with_deadline",
     "extract_boxed_content",
     "grade_answer",
     "grade_final_answer",
@@ -77,28 +79,42 @@ _set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 _set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
 
 
-_REFIRE_S = 0.25  # re-raise this often while the block still runs: a delivered exception can be lost
+_REFIRE_S = 0.25  # re-raise this often while the call still runs: a delivered exception can be lost
 _REFIRES = 20     # (CPython ignores exceptions raised inside gc callbacks and __del__), at most this often
 
+T = TypeVar("T")
 
-@contextmanager
-def deadline(seconds: float | None) -> Iterator[None]:
-    """Raise `GradingTimeout` in the current thread if the block runs longer than `seconds`.
+
+def _frame_running(tid: int, frame: FrameType) -> bool:
+    """Whether `frame` is on the stack of thread `tid` right now."""
+    top = sys._current_frames().get(tid)
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
+def call_with_deadline(seconds: float | None, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)`, raising `GradingTimeout` in the calling thread if it runs longer than `seconds`.
 
     Any thread, no signals. Pure-Python code is interrupted within a few bytecodes; one long C call
-    only when it returns. The exception is raised only inside the block or its exit: a
-    not-yet-delivered one is cancelled on exit, and one that arrives while the exit runs is caught
-    there. If the block keeps running after the exception was delivered (it landed in a gc callback
-    or `__del__`, where CPython prints and drops exceptions, or the block swallowed it with a bare
-    `except:`), it is raised again every `_REFIRE_S` seconds, up to `_REFIRES` times. Nothing is
-    raised once the block's thread has ended (a block left without its exit, e.g. a dropped
-    unfinished generator): its ident may by then belong to a new thread.
+    only when it returns. If the call keeps running after the exception was delivered (it landed in
+    a gc callback or `__del__`, where CPython prints and drops exceptions, or the code swallowed it
+    with a bare `except:`), it is raised again every `_REFIRE_S` seconds, up to `_REFIRES` times.
+
+    The exception never surfaces outside this call. That is why this is a call and not a `with`
+    block: the watchdog raises only while this function's own frame is on the thread's stack (it
+    cannot tell a `with` block's code from the code after it, which runs in the same frame), and
+    under the lock the exit path takes, which cancels an undelivered exception. So a timeout that
+    lands before the `try` below, or between the body and the clean-up, surfaces from this call
+    and no re-raise can follow it into the caller's next lines (the race the old context manager
+    lost about once in a few thousand blocks at a 1 ms deadline).
     """
     if seconds is None or seconds <= 0:
-        yield
-        return
+        return fn(*args)
     tid = threading.get_ident()
-    owner = threading.current_thread()  # the ident alone can be reused by a new thread once this one ends
+    me = sys._getframe()
     lock = threading.Lock()
     done = threading.Event()
     fired = []
@@ -108,20 +124,20 @@ def deadline(seconds: float | None) -> Iterator[None]:
         for _ in range(1 + _REFIRES):
             if done.wait(wait):
                 return
-            with lock:  # the block's exit sets `done` under the same lock: no raise after it
-                if done.is_set() or not owner.is_alive():  # never into another thread with our ident
-                    return
+            with lock:  # the exit sets `done` under the same lock: no raise after it
+                if done.is_set() or not _frame_running(tid, me):
+                    return  # left (or the ident now belongs to another thread): never raise there
                 fired.append(True)
                 _set_async_exc(tid, GradingTimeout)
             wait = _REFIRE_S
 
-    threading.Thread(target=watchdog, name="grading-deadline", daemon=True).start()
     try:
-        yield
+        threading.Thread(target=watchdog, name="grading-deadline", daemon=True).start()
+        return fn(*args)
     except GradingTimeout:
         raise GradingTimeout(f"grading exceeded {seconds:g} s") from None
     finally:
-        while True:  # a re-raise that lands while we leave is caught here, never after the block
+        while True:  # a re-raise that lands while we leave is caught here, never after the call
             try:
                 with lock:
                     done.set()
@@ -280,8 +296,7 @@ def grade_answer(given: str | None, truth: str | None, timeout_s: float | None =
     _count("symbolic")
     start = time.monotonic()
     try:
-        with deadline(timeout_s):
-            return _symbolic_equal(g, t)
+        return call_with_deadline(timeout_s, _symbolic_equal, g, t)
     except GradingTimeout:
         _count("timeouts")
         log.warning("grading timed out after %.1f s (given=%.80r, truth=%.80r)", time.monotonic() - start, given, truth)
