@@ -116,23 +116,28 @@ def call_with_deadline(seconds: float | None, fn: Callable[..., T], *args: objec
     tid = threading.get_ident()
     me = sys._getframe()
     lock = threading.Lock()
-    done = threading.Event()
-    fired = []
+    wake = threading.Event()
+    state = {"in_fn": False, "left": False, "fired": False}  # read and written under `lock` only
 
     def watchdog() -> None:
-        wait = seconds
-        for _ in range(1 + _REFIRES):
-            if done.wait(wait):
+        wait, fires = seconds, 0
+        while fires <= _REFIRES:
+            if wake.wait(wait):
                 return
-            with lock:  # the exit sets `done` under the same lock: no raise after it
-                if done.is_set() or not _frame_running(tid, me):
+            with lock:  # the exit marks `left` under the same lock: no raise after it
+                if state["left"] or not _frame_running(tid, me):
                     return  # left (or the ident now belongs to another thread): never raise there
-                fired.append(True)
+                if not state["in_fn"]:  # still inside Thread.start(): never raise into threading's code
+                    wait = 0.001
+                    continue
+                state["fired"] = True
                 _set_async_exc(tid, GradingTimeout)
-            wait = _REFIRE_S
+            wait, fires = _REFIRE_S, fires + 1
 
     try:
         threading.Thread(target=watchdog, name="grading-deadline", daemon=True).start()
+        with lock:
+            state["in_fn"] = True
         return fn(*args)
     except GradingTimeout:
         raise GradingTimeout(f"grading exceeded {seconds:g} s") from None
@@ -140,12 +145,13 @@ def call_with_deadline(seconds: float | None, fn: Callable[..., T], *args: objec
         while True:  # a re-raise that lands while we leave is caught here, never after the call
             try:
                 with lock:
-                    done.set()
-                    if fired:
+                    state["left"] = True
+                    if state["fired"]:
                         _set_async_exc(tid, ctypes.py_object())  # NULL: cancel an undelivered exception
                 break
             except GradingTimeout:
                 continue
+        wake.set()  # nothing can be raised any more: only ends the watchdog's wait early
 
 
 # ------------------------------------------------------------------------------- extraction/format
