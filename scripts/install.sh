@@ -56,6 +56,7 @@ print(f"[install] ok: torch {torch.__version__}, torchvision {torchvision.__vers
 PY
 # DeepSpeed's CPU shared-memory comm op, built once here with the venv's own ninja (the learner pins
 # the same toolchain: asyncrl/learner/ops.py), not just-in-time by the first learner of every job.
-HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu "$VENV/bin/python" -m asyncrl.learner.ops
+HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu "$VENV/bin/python" -c \
+  "from asyncrl.learner.ops import build_cpu_comm_op as b; print(f\"[install] DeepSpeed CPU comm op ready ({b():.1f}s)\")"
 echo "$HASH" > "$STAMP"
 echo "[install] done in $(( $(date +%s) - t0 ))s"

@@ -9,9 +9,17 @@ discards a log written by the other version and rebuilds every object (the "two 
 alternating" seen in `.ninja_log`), ~30 s on two cores, on every switch between `make test`,
 `make run` and an activated shell.
 
+The second cause of rebuilds: torch keeps the build in one directory per user
+(`~/.cache/torch_extensions/py311_cu130/deepspeed_shm_comm`), shared by every checkout on the
+machine, and its ninja commands name the venv's absolute paths. Two checkouts (a fresh clone
+beside a working copy, CI's `/check/...` beside `/work/...`) each rebuild what the other built,
+whenever they alternate.
+
 `pin_toolchain()` puts the interpreter's own bin directory first on PATH, so every process of
-an install runs the same ninja and the cached op is reused; `python -m asyncrl.learner.ops`
-builds the op once at install time (scripts/install.sh) with that same toolchain.
+an install runs the same ninja, and keeps the extension cache inside the venv
+(`<venv>/torch_extensions`, unless TORCH_EXTENSIONS_DIR is set), so each install reuses its
+own; `python -m asyncrl.learner.ops` builds the op once at install time (scripts/install.sh)
+with that same toolchain and cache.
 """
 
 from __future__ import annotations
@@ -25,9 +33,13 @@ __all__ = ["pin_toolchain", "build_cpu_comm_op"]
 
 
 def pin_toolchain() -> None:
-    """Make the interpreter's bin directory (the venv's, holding the `ninja` wheel) first on PATH.
+    """Make the interpreter's bin directory (the venv's, holding the `ninja` wheel) first on PATH,
+    and torch's extension cache the venv's own (`<venv>/torch_extensions`).
 
-    Idempotent; a no-op when it already is first or when that directory has no `ninja`."""
+    Idempotent. An explicit TORCH_EXTENSIONS_DIR is kept; outside a venv the cache stays torch's
+    default; PATH is left alone when that directory has no `ninja`."""
+    if sys.prefix != sys.base_prefix:  # a venv: its own cache, never rebuilt by another checkout
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     bin_dir = str(Path(sys.executable).parent)
     if not (Path(bin_dir) / "ninja").exists():
         return
