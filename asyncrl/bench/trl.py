@@ -14,8 +14,11 @@ same command (`python -m asyncrl.eval --solver-only` on the test split) at the s
 
 Reported: median seconds per learner step, launch-to-exit wall time, samples per second, the
 solver-only accuracy curves (by step and by wall second since launch; plot `trl-curves.png`),
-time to the same accuracy (the lower of the two final accuracies), and whether the final
-accuracies agree within one standard error. The guided mode has no TRL counterpart: the guided
+time to the same accuracy (the lower of the two final accuracies), each side's time from launch to
+TRL's final accuracy, and whether the final accuracies agree within one standard error.
+`--repeats N` runs the pair N times (the initial policy is scored once) and reports each run and
+the spread (min / median / max) of every ratio: one run on this 2-core machine moved the ratios by
+0.14-0.33. The guided mode has no TRL counterpart: the guided
 figures of the newest quick-start run (`runs/quickstart/summary.json`), when present, are shown
 beside it for reference.
 
@@ -185,6 +188,8 @@ def _plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
 def add_args(parser: Any) -> None:
     parser.add_argument("--trl-threads", type=int, default=0,
                         help="torch threads of the TRL process; 0 = every core (what a user running it here gets)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the pair this many times, one after the other, and report the spread of the ratios")
 
 
 def run(cfg: Config, args: Any) -> dict[str, Any]:
@@ -193,11 +198,45 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
                    "(pip install -e '.[bench]', or run `make bench-trl`, which installs it)")
         print(message)
         return {"skipped": message}
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    root = Path(args.output).resolve() / f"trl-{time.strftime('%Y%m%d-%H%M%S')}"
+    smoke = bool(args.smoke)
+    runs, initial = [], None
+    for i in range(args.repeats):
+        out = root if args.repeats == 1 else root / f"run{i + 1}"
+        out.mkdir(parents=True, exist_ok=True)
+        if args.repeats > 1:
+            print(f"\n[bench trl] run {i + 1}/{args.repeats} ({out})", flush=True)
+        result = _one_run(cfg, args, out, smoke, initial)
+        initial = result["curves"]["asyncrl"][0]
+        runs.append(result)
+    if args.repeats == 1:
+        return runs[0]
+    spread = _spread(runs)
+    print_table(f"spread over {args.repeats} runs (min / median / max)",
+                [(k, " / ".join(_fmt(v) for v in (lo, mid, hi))) for k, (lo, mid, hi) in spread.items()])
+    return {"repeats": args.repeats, "spread": spread, "runs": runs, "output_dir": str(root), "smoke": smoke}
+
+
+def _spread(runs: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]]:
+    """min / median / max over the runs of every numeric ratio and per-side figure."""
+    values: dict[str, list[float]] = {}
+    for r in runs:
+        for k, v in r["ratios"].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                values.setdefault(k, []).append(float(v))
+        for side, summary in r["summaries"].items():
+            for k in ("median_step_s", "launch_to_exit_s", "start_up_s", "final_accuracy", "time_to_trl_final_s"):
+                if summary.get(k) is not None:
+                    values.setdefault(f"{side} {k}", []).append(float(summary[k]))
+    return {k: (min(v), statistics.median(v), max(v)) for k, v in values.items()}
+
+
+def _one_run(cfg: Config, args: Any, out: Path, smoke: bool, initial: dict[str, Any] | None) -> dict[str, Any]:
+    """One asyncrl run and one TRL run, both scored; `initial`: the initial policy's score, when known."""
     from asyncrl.bench.trl_side import trl_settings
 
-    out = Path(args.output).resolve() / f"trl-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    smoke = bool(args.smoke)
     cfg = _side_config(cfg, out, smoke)
     steps = cfg.trainer.max_steps
     settings = trl_settings(cfg, str(out / "trl"))
@@ -207,7 +246,7 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
     sides = {"asyncrl": _asyncrl_side(cfg, out)}
     print(f"[bench trl] TRL GRPOTrainer: {steps} steps ...", flush=True)
     sides["trl"] = _trl_side(cfg, out, args.trl_threads)
-    _score_checkpoints(sides, cfg, out, limit=50 if smoke else 0)
+    _score_checkpoints(sides, cfg, out, limit=50 if smoke else 0, initial=initial)
     summaries, ratios, target = _compare(sides, cfg, warmup=1 if smoke else 5)
     guided = _guided_reference()
     if guided:
@@ -249,10 +288,14 @@ def _print_settings(cfg: Config, settings: dict[str, Any]) -> None:
         print(f"    {key:24} asyncrl: {a}\n    {'':24} TRL:     {t}")
 
 
-def _score_checkpoints(sides: dict[str, dict[str, Any]], cfg: Config, out: Path, limit: int) -> None:
-    """Each side's `curve`: solver accuracy of the initial policy and of every checkpoint it saved."""
+def _score_checkpoints(sides: dict[str, dict[str, Any]], cfg: Config, out: Path, limit: int,
+                       initial: dict[str, Any] | None = None) -> None:
+    """Each side's `curve`: solver accuracy of the initial policy (scored here unless `initial` gives
+    it) and of every checkpoint it saved."""
     print("[bench trl] evaluating the initial policy and every checkpoint (solver-only, test split) ...", flush=True)
-    initial = _evaluate(cfg.model.path, cfg, out / "eval_initial.json", limit)
+    if initial is None:
+        initial = _evaluate(cfg.model.path, cfg, out / "eval_initial.json", limit)
+    initial = {"accuracy": initial["accuracy"], "se": initial["se"]}
     for name, side in sides.items():
         side["curve"] = [{"step": 0, "wall_s": side["first_step_s"], **initial}]
         for step, save in sorted(side["saves"].items()):
@@ -268,14 +311,18 @@ def _compare(sides: dict[str, dict[str, Any]], cfg: Config, warmup: int) -> tupl
     target = min(a["final_accuracy"], t["final_accuracy"])
     for name, s in summaries.items():
         s["time_to_target_s"] = _time_to(sides[name]["curve"], target)
+        s["time_to_trl_final_s"] = _time_to(sides[name]["curve"], t["final_accuracy"])
     se = math.sqrt(a["final_se"] ** 2 + t["final_se"] ** 2)
+    reached = a["time_to_trl_final_s"]
     ratios = {"step_s_asyncrl_over_trl": a["median_step_s"] / max(t["median_step_s"], 1e-9),
               "launch_to_exit_asyncrl_over_trl": a["launch_to_exit_s"] / max(t["launch_to_exit_s"], 1e-9),
+              "time_to_trl_final_asyncrl_over_trl": (None if reached is None else
+                                                     reached / max(t["time_to_trl_final_s"], 1e-9)),
               "final_accuracy_diff": a["final_accuracy"] - t["final_accuracy"], "final_accuracy_diff_se": se,
               "same_accuracy_within_1se": abs(a["final_accuracy"] - t["final_accuracy"]) <= se}
     rows: list[tuple[str, Any]] = []
     for key in ("median_step_s", "launch_to_exit_s", "start_up_s", "samples_per_s", "final_accuracy", "final_se",
-                "time_to_target_s"):
+                "time_to_target_s", "time_to_trl_final_s"):
         rows.append((f"{key:18} asyncrl | TRL", f"{_fmt(a[key])} | {_fmt(t[key])}"))
     rows += [(k, v) for k, v in ratios.items()]
     rows.append(("asyncrl step split (median s)", ", ".join(f"{k.split('/')[1]} {v:.3f}"

@@ -48,7 +48,7 @@ def test_without_trl_the_benchmark_skips_with_the_install_command(monkeypatch, c
     real = bench_trl.importlib.util.find_spec
     monkeypatch.setattr(bench_trl.importlib.util, "find_spec", lambda name: None if name == "trl" else real(name))
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [])
-    result = bench_trl.run(cfg, argparse.Namespace(output="/tmp/unused", smoke=True))
+    result = bench_trl.run(cfg, argparse.Namespace(output="/tmp/unused", smoke=True, repeats=1))
     assert "skipped" in result and "make bench-trl" in result["skipped"]
     assert "TRL is not installed" in capsys.readouterr().out
 
@@ -57,3 +57,33 @@ def test_without_trl_the_benchmark_skips_with_the_install_command(monkeypatch, c
 def test_every_loss_mode_has_a_trl_counterpart(mode):
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"learner.loss_avg_mode={mode}"])
     assert trl_settings(cfg, "/tmp/out")["loss_type"] in {"dapo", "grpo", "dr_grpo"}
+
+
+def _side(curve: list[tuple[float, float]], step_s: float, exit_s: float) -> dict:
+    return {"step_s": [step_s] * 8, "launch_to_exit_s": exit_s, "first_step_s": curve[0][1], "train_s": 8 * step_s,
+            "curve": [{"accuracy": a, "se": 0.01, "wall_s": w} for a, w in curve], "split": {"time/train_s": 0.5}}
+
+
+def test_compare_reports_each_sides_time_to_trls_final_accuracy():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [])
+    # asyncrl reaches TRL's final 0.60 at its second checkpoint (40 s); TRL at its last (120 s):
+    # ratio 40 / 120 = 1/3. A run that never reaches it has no ratio.
+    sides = {"asyncrl": _side([(0.55, 10.0), (0.62, 40.0), (0.58, 70.0)], 0.5, 80.0),
+             "trl": _side([(0.55, 5.0), (0.57, 60.0), (0.60, 120.0)], 0.6, 130.0)}
+    summaries, ratios, target = bench_trl._compare(sides, cfg, warmup=0)
+    assert target == 0.58  # the lower final accuracy
+    assert summaries["asyncrl"]["time_to_trl_final_s"] == 40.0 and summaries["trl"]["time_to_trl_final_s"] == 120.0
+    assert ratios["time_to_trl_final_asyncrl_over_trl"] == pytest.approx(1 / 3)
+    sides["asyncrl"]["curve"][1]["accuracy"] = 0.59
+    _, ratios, _ = bench_trl._compare(sides, cfg, warmup=0)
+    assert ratios["time_to_trl_final_asyncrl_over_trl"] is None
+
+
+def test_repeats_report_min_median_max_of_every_ratio():
+    runs = [{"ratios": {"launch_to_exit_asyncrl_over_trl": r, "same_accuracy_within_1se": True},
+             "summaries": {"asyncrl": {"median_step_s": s, "time_to_trl_final_s": None}}}
+            for r, s in ((1.2, 0.7), (0.9, 0.5), (1.0, 0.6))]
+    spread = bench_trl._spread(runs)
+    assert spread["launch_to_exit_asyncrl_over_trl"] == (0.9, 1.0, 1.2)
+    assert spread["asyncrl median_step_s"] == (0.5, 0.6, 0.7)
+    assert "same_accuracy_within_1se" not in spread and "asyncrl time_to_trl_final_s" not in spread
