@@ -8,8 +8,8 @@ is plain JSON (no torch, transformers or vLLM import), so a refused launch ends 
 The built-in checks, in order: the policy's context against the lengths and the engine's
 `max_model_len`; the engine's token budget and CPU KV cache; chat templates; vision keys against
 the model type; a model verifier's context; `env:` secrets and CurveZMQ key files; the data's
-prompt/answer columns; fixed listener ports and `trainer.resume`; the rule verifier's task; weight
-files whole (plus whatever else is registered, e.g. the memory guard).
+prompt/answer columns; fixed listener ports and `trainer.resume`; the rule verifier's task; an HTTP
+verifier's server accepting connections; weight files whole (plus whatever else is registered, e.g. the memory guard).
 
 The policy's context follows vLLM 0.32's own derivation (`vllm.config.model._get_and_verify_max_len`
 with `ModelArchConfigConvertor.derive_max_model_len_and_key`), on the text part of the config
@@ -562,6 +562,34 @@ def check_rule_verifier(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]
         return [Row("rule verifier", False, f"verifier.task={cfg.verifier.task}: {exc}",
                     "set verifier.task to a built-in task, or verifier.backend=vllm / http")]
     return [Row("rule verifier", True, f"verifier.task={cfg.verifier.task}")]
+
+
+@register_check
+def check_http_verifier(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
+    """An HTTP verifier's server answers a TCP connect (3 s) from the driver, so a wrong port or host
+    fails in a second rather than after Ray, Serve and the engines have started (the probe request
+    through Serve, later, checks the API itself). Refused only for a single-node (embedded) job,
+    where the driver's view is the replica's; on a cluster an address the driver cannot reach is
+    said aloud and left to that probe."""
+    if cfg.verifier.backend != "http" or not cfg.rollout.guide.enable:
+        return []
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(cfg.verifier.http.base_url)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=3):
+            pass
+    except OSError as exc:
+        why = "connection refused" if isinstance(exc, ConnectionRefusedError) else \
+            "no such host" if isinstance(exc, socket.gaierror) else f"{type(exc).__name__}: {exc}"
+        where = f"verifier.http.base_url={cfg.verifier.http.base_url}: nothing answers at {host}:{port} ({why})"
+        if cfg.cluster.ray_address:
+            return [Row("http verifier", True, f"{where} from the driver; the probe through Serve decides",
+                        notice=True)]
+        return [Row("http verifier", False, where, "start the verifier's server first, or fix the URL")]
+    return [Row("http verifier", True, f"{host}:{port} accepts connections")]
 
 
 @register_check

@@ -107,10 +107,19 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     if cfg.rollout.guide.enable:
         pending["verifier"] = background.submit(_deploy_and_probe, cfg)
     say(f"starting {' and '.join(pending)} in the background ...")
+
+    def fail_early() -> None:
+        """A background start that has already failed (an unreachable HTTP verifier, say) stops the
+        launch now, between steps, before the engines are built, not when its own step comes."""
+        if "verifier" in pending and pending["verifier"].done() and pending["verifier"].exception() is not None:
+            with step_timer(verifier_step):
+                pending["verifier"].result()
+
     try:
         with step_timer("data"):
             rows = load_training_rows(cfg)
             cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
+        fail_early()
         # Stateful services survive their own death: Ray restarts them (and retries the calls made
         # to them); each reads its state back from `state/` (on the driver's node, where they run).
         state_dir = run_dir / "state"
@@ -138,12 +147,14 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             if snap is not None and snap.exists():
                 restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
                 say(f"  buffer restored from {snap}: {restored} group(s)")
+        fail_early()
         if not cfg.rollout.guide.enable:  # nothing would call it (no Serve processes competing for the CPUs)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
         # the nodes the engines left (ZeRO collectives then cross the inter-node link).
         with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
             topo.learner_placement = reserve_placement(cfg)
+        fail_early()
         # The engine builds (the longest step) run while the weight store and the learner start.
         # Not on resume: an actor started then must see the restored version (and its weights).
         topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address=topo.buffer_address,
@@ -163,6 +174,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             version = topo.learner.version
             ray.get(topo.coordinator.set_version.remote(version))
             ray.get(topo.buffer.set_version.remote(version))
+        fail_early()
         with step_timer("weight sender (learner rank 0)"):
             topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
             say(f"  weight rendezvous at {topo.weight_address}")

@@ -1,10 +1,11 @@
 """`python -m asyncrl.bench SCENARIO --smoke` writes a valid JSON with every field, per scenario.
 
-Default suite (about 3 minutes here): the component scenarios `buffer`, `weight-sync`, `learner`
-and `simulate` run for real in smoke mode (subprocess, real sockets/processes/Ray) and their JSON
+Default suite (about 3 minutes here): the component scenarios `buffer`, `weight-sync` and `learner`
+run for real in smoke mode (subprocess, real sockets/processes/Ray) and their JSON
 carries the machine, the date and a `ratio` consistent with the parts it is computed from; the
 `e2e` and `sweep` JSON builders run on hand-written metrics rows with hand-derived speedups.
-Slow (`-m slow`, minutes each: vLLM engines and the whole topology): `rollout`, `e2e`, `sweep` smoke.
+Slow (`-m slow`, minutes each: vLLM engines and the whole topology): `rollout`, `e2e`, `sweep` smoke,
+and `simulate` (a Ray job of simulated engines: 22 s of the default suite's 15 minutes).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def test_learner_smoke(tmp_path: Path) -> None:
     assert len(r["pair_ratios"]) == r["steps"]
 
 
+@pytest.mark.slow
 def test_simulate_smoke(tmp_path: Path) -> None:
     r = _bench("simulate", tmp_path)
     assert r["simulated"] is True and all(c["simulated"] for c in r["cells"])

@@ -133,12 +133,31 @@ def test_row_without_answer_fails_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "bad" / "metrics.jsonl").exists() or not (tmp_path / "bad" / "metrics.jsonl").read_text()
 
 
-def test_unreachable_http_verifier_fails_before_training(tmp_path: Path) -> None:
-    proc = launch(tmp_path, "verifier.backend=http", "verifier.http.base_url=http://127.0.0.1:9/v1",
-                  "verifier.client.deadline_s=5", "verifier.client.max_retries=1", "trainer.experiment_name=http",
-                  timeout=300)
+def test_http_verifier_that_does_not_speak_the_api_fails_before_training(tmp_path: Path) -> None:
+    # The server accepts connections (so the preflight's connect check passes; a port where
+    # nothing listens is refused before Ray: tests/unit/test_preflight.py) but answers 404: the
+    # probe request through Serve fails the launch, before the first step.
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = launch(tmp_path, "verifier.backend=http", f"verifier.http.base_url=http://127.0.0.1:{server.server_port}/v1",
+                      "verifier.client.deadline_s=5", "verifier.client.max_retries=1",
+                      "trainer.experiment_name=http", timeout=300)
+    finally:
+        server.shutdown()
     assert proc.returncode != 0
     assert "did not answer a probe request" in proc.stderr, proc.stderr[-2000:]
+    assert "step 1/" not in proc.stdout
 
 
 def test_unreachable_ray_address_fails(tmp_path: Path) -> None:

@@ -220,3 +220,31 @@ def test_a_truncated_weight_file(tmp_path: Path) -> None:
     out = assert_refused([f"model.path={model}"], "model.safetensors is truncated", f"{size - 100} bytes",
                          f"needs {size}")
     assert out.count("error: ") == 1
+
+
+def test_an_http_verifier_nobody_serves_is_refused_before_ray() -> None:
+    import socket
+
+    from asyncrl.preflight import check_http_verifier
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    http = ["verifier.backend=http", "verifier.http.model=m"]
+    cfg = load_config("configs/quickstart.yaml", [*http, f"verifier.http.base_url=http://127.0.0.1:{dead}/v1"])
+    [row] = check_http_verifier(cfg, {})
+    assert not row.ok and row.result == (f"verifier.http.base_url=http://127.0.0.1:{dead}/v1: nothing answers "
+                                         f"at 127.0.0.1:{dead} (connection refused)")
+    # on a cluster the driver's view is not the replica's: said aloud, left to the probe through Serve
+    on_cluster = load_config("configs/quickstart.yaml", [*http, f"verifier.http.base_url=http://127.0.0.1:{dead}/v1",
+                                                         "cluster.ray_address=10.0.0.1:6379"])
+    [row] = check_http_verifier(on_cluster, {})
+    assert row.ok and row.notice and "the probe through Serve decides" in row.result
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        cfg = load_config("configs/quickstart.yaml", [*http, f"verifier.http.base_url=http://127.0.0.1:{port}/v1"])
+        [row] = check_http_verifier(cfg, {})
+    assert row.ok and row.result == f"127.0.0.1:{port} accepts connections"
+    assert check_http_verifier(load_config("configs/quickstart.yaml", []), {}) == []  # rule back-end: nothing to do
