@@ -527,14 +527,24 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
     shape = mem.shape_from_config(policy.text, cfg.model.path)
     samples = cfg.data.rollout_batch_size * cfg.rollout.n
     tokens = min(cfg.learner.micro_batch_tokens, samples * (cfg.data.max_prompt_length + cfg.data.max_response_length))
+    adapter = mem.lora_params(policy.text, cfg.model.lora.rank, cfg.model.lora.target_modules) \
+        if cfg.model.lora.enable else None
     rank = mem.rank_bytes(shape, ranks=cfg.learner_world_size, zero_stage=cfg.learner.zero_stage,
                           bf16=cfg.learner_precision == "bf16", micro_batch_tokens=tokens,
                           logit_tokens=min(tokens, samples * (cfg.data.max_response_length + 1)),
-                          reference=cfg.learner.kl.enable, gpu=False,
-                          adapter_params=mem.lora_params(policy.text, cfg.model.lora.rank, cfg.model.lora.target_modules)
-                          if cfg.model.lora.enable else None)
+                          reference=cfg.learner.kl.enable, gpu=False, adapter_params=adapter)
+    from asyncrl.weights.adapter import sync_kind
+
+    trainable = float(adapter) if adapter is not None else shape.params
+    synced = trainable if adapter is not None and sync_kind(cfg) == "adapter" else shape.params
+    state = rank["parameters"] + rank["optimizer (fp32 master + Adam moments)"] + rank["reference model"]
+    extras = mem.cpu_learner_extras(shape, bf16=cfg.learner_precision == "bf16", sync_params=synced,
+                                    trainable=trainable, state_bytes=state)
+    sync_copy = extras.pop("weight-sync host copy (rank 0)")
+    rank.update(extras)  # every rank's
     engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB))
     parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
+             "learner's weight-sync host copy (rank 0)": sync_copy,
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,
              "weight store copy": int(4 * shape.params), "driver and services": mem.CPU_RUNTIME_BYTES}
     budget = int(0.9 * machine_bytes)

@@ -115,6 +115,30 @@ def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, mi
     return {k: int(v) for k, v in out.items()}
 
 
+ALLOCATOR_SLACK = 0.22  # glibc heap growth over a CPU learner's tensor state (measured, see cpu_rank0_extras)
+
+
+def cpu_learner_extras(shape: ModelShape, *, bf16: bool, sync_params: float, trainable: float,
+                     state_bytes: float) -> dict[str, int]:
+    """What a CPU learner rank holds beyond `rank_bytes` (the sync copy: rank 0 only), measured at Qwen2.5-0.5B's shape
+    (0.494e9 parameters, fp32, ZeRO-0, KL on; BENCHMARKS.md "Real size on CPU"): the job's learner
+    peaked at 15.2 GiB against 11.1 estimated by `rank_bytes` alone, and an in-process learner
+    (`scripts/learner_memory.py`) split the 4.1 GiB as
+    - the weight-sync host copy: the sender's `HostArena` keeps one whole version of what is synced
+      for the WeightStore (w x `sync_params`: full weights, or the LoRA adapter), 1.84 GiB;
+    - per-tensor temporaries of the optimizer step and the tied head's gradient: about two copies
+      of the largest parameter (the embedding, vocab x hidden, fp32 master), 1.0 GiB;
+    - glibc's heap: the process held 1.65 GiB more after three steps than with a fixed
+      `MALLOC_MMAP_THRESHOLD_` (freed tensor memory kept by the allocator), 22 % of its
+      parameter-sized state (`state_bytes`: parameters, Adam moments, the reference).
+    """
+    w = 2 if bf16 else 4
+    largest = shape.vocab * shape.hidden * 4 if trainable >= shape.vocab * shape.hidden else trainable * 4
+    return {"weight-sync host copy (rank 0)": int(w * sync_params),
+            "optimizer temporaries (2 x largest tensor)": int(2 * largest),
+            "allocator slack (glibc heap)": int(ALLOCATOR_SLACK * state_bytes)}
+
+
 def describe(components: dict[str, int], budget: int) -> str:
     """One line: the total against `budget`, then every component largest first."""
     total = sum(components.values())
