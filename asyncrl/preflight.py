@@ -537,12 +537,12 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
 
     trainable = float(adapter) if adapter is not None else shape.params
     synced = trainable if adapter is not None and sync_kind(cfg) == "adapter" else shape.params
-    state = rank["parameters"] + rank["optimizer (fp32 master + Adam moments)"] + rank["reference model"]
+    churn = rank["parameters"] + rank["gradients"] + rank["optimizer (fp32 master + Adam moments)"]
     extras = mem.cpu_learner_extras(shape, bf16=cfg.learner_precision == "bf16", sync_params=synced,
-                                    trainable=trainable, state_bytes=state)
+                                    trainable=trainable, churn_bytes=churn)
     sync_copy = extras.pop("weight-sync host copy (rank 0)")
     rank.update(extras)  # every rank's
-    engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB))
+    engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB), cfg.rollout.max_num_batched_tokens)
     parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
              "learner's weight-sync host copy (rank 0)": sync_copy,
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,

@@ -119,24 +119,27 @@ ALLOCATOR_SLACK = 0.22  # glibc heap growth over a CPU learner's tensor state (m
 
 
 def cpu_learner_extras(shape: ModelShape, *, bf16: bool, sync_params: float, trainable: float,
-                     state_bytes: float) -> dict[str, int]:
-    """What a CPU learner rank holds beyond `rank_bytes` (the sync copy: rank 0 only), measured at Qwen2.5-0.5B's shape
-    (0.494e9 parameters, fp32, ZeRO-0, KL on; BENCHMARKS.md "Real size on CPU"): the job's learner
-    peaked at 15.2 GiB against 11.1 estimated by `rank_bytes` alone, and an in-process learner
-    (`scripts/learner_memory.py`) split the 4.1 GiB as
+                       churn_bytes: float) -> dict[str, int]:
+    """What a CPU learner rank holds beyond `rank_bytes` (the sync copy: rank 0 only), measured
+    at Qwen2.5-0.5B's shape (0.494e9 parameters, fp32, ZeRO-0; BENCHMARKS.md "Real size on CPU").
+    Two real jobs were killed by Ray's memory monitor in step 2 with the learner at 15.2 GiB (KL
+    on) and 14.5 GiB (KL off) resident (lower bounds of its peak: it was still growing) against
+    11.1 and 9.2 GiB estimated by `rank_bytes` alone. An in-process learner
+    (`scripts/learner_memory.py`) showed where the rest goes:
     - the weight-sync host copy: the sender's `HostArena` keeps one whole version of what is synced
       for the WeightStore (w x `sync_params`: full weights, or the LoRA adapter), 1.84 GiB;
     - per-tensor temporaries of the optimizer step and the tied head's gradient: about two copies
       of the largest parameter (the embedding, vocab x hidden, fp32 master), 1.0 GiB;
     - glibc's heap: the process held 1.65 GiB more after three steps than with a fixed
-      `MALLOC_MMAP_THRESHOLD_` (freed tensor memory kept by the allocator), 22 % of its
-      parameter-sized state (`state_bytes`: parameters, Adam moments, the reference).
+      `MALLOC_MMAP_THRESHOLD_` (freed tensor memory kept by the allocator): 22 % of the memory
+      that is freed and taken again every step (`churn_bytes`: parameters, gradients, Adam
+      moments; the KL reference is loaded once and never reallocated).
+    With these terms the estimates are 15.5 and 13.7 GiB.
     """
-    w = 2 if bf16 else 4
     largest = shape.vocab * shape.hidden * 4 if trainable >= shape.vocab * shape.hidden else trainable * 4
-    return {"weight-sync host copy (rank 0)": int(w * sync_params),
+    return {"weight-sync host copy (rank 0)": int((2 if bf16 else 4) * sync_params),
             "optimizer temporaries (2 x largest tensor)": int(2 * largest),
-            "allocator slack (glibc heap)": int(ALLOCATOR_SLACK * state_bytes)}
+            "allocator slack (glibc heap)": int(ALLOCATOR_SLACK * churn_bytes)}
 
 
 def describe(components: dict[str, int], budget: int) -> str:
@@ -176,6 +179,11 @@ def lora_params(config: dict, rank: int, target_modules: list[str] | tuple[str, 
     return layers * sum(rank * sum(dims[m]) for m in set(target_modules) if m in dims)
 
 
-def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int) -> dict[str, int]:
-    """Host memory of one vLLM CPU engine: fp32 weights, its KV cache, the runtime."""
-    return {"weights (fp32)": int(4 * shape.params), "KV cache": int(kv_cache_bytes), "runtime": CPU_RUNTIME_BYTES}
+def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int, batched_tokens: int = 0) -> dict[str, int]:
+    """Host memory of one vLLM CPU engine: fp32 weights, its KV cache, the runtime, and fp32
+    vocabulary-wide buffers for `batched_tokens` (`rollout.max_num_batched_tokens`): at
+    Qwen2.5-0.5B's shape the engine core held 4.54 GiB against 3.6 for the first three terms,
+    and 2048 x 151,936 x 4 B = 1.16 GiB bounds the 0.94 GiB difference (one measurement, BENCHMARKS.md
+    "Real size on CPU"; negligible at the quick start's vocabulary)."""
+    return {"weights (fp32)": int(4 * shape.params), "KV cache": int(kv_cache_bytes), "runtime": CPU_RUNTIME_BYTES,
+            "vocabulary buffers": int(4 * batched_tokens * shape.vocab)}

@@ -57,13 +57,14 @@ def test_tiny_quick_start_fits_and_the_check_is_registered():
     assert memory_fit(gpu, {}) == []  # a GPU job: gpu_check's S3, not this machine's RAM
 
 
-def test_zero0_with_the_kl_reference_is_refused_as_measured_and_without_it_fits(tmp_path):
-    # Measured (BENCHMARKS.md "Real size on CPU", 2026-12-02): with learner.zero_stage=0 and the KL
-    # reference the job was killed by Ray's memory monitor at step 2, learner rank 0 at 15.2 GiB
-    # (16.29 GB) resident on this 23.5 GiB machine. The estimate used to say 11.1 GiB for that rank
-    # and let it start; with the weight-sync host copy (4P = 1.84 GiB), the optimizer's per-tensor
-    # temporaries (2 x the fp32 embedding, 1.0 GiB) and the glibc heap slack (22 % of 4P + 8P + 4P
-    # = 1.6 GiB) the learner's share is 13.7 + 1.8 = 15.5 GiB, within 2 % of the measurement.
+def test_the_two_real_size_jobs_that_were_killed_are_refused_and_the_12_layer_one_fits(tmp_path):
+    # Measured (BENCHMARKS.md "Real size on CPU", 2026-12-02) on this 23.5 GiB machine, ZeRO-0: with
+    # the KL reference the job was killed by Ray's memory monitor in step 2 with learner rank 0 at
+    # 15.2 GiB and the engine core at 4.5 GiB; without it, at 14.5 and 4.5 GiB. The estimate used to
+    # say 11.1 GiB for the first learner and let both start. Now: the weight-sync host copy (4P =
+    # 1.84 GiB), the optimizer's per-tensor temporaries (2 x the fp32 embedding, 1.0 GiB), glibc's
+    # heap slack (22 % of 4P + 4P + 8P = 1.6 GiB): 13.7 + 1.8 = 15.5 GiB for the first learner; the
+    # engine's vocabulary buffers (2048 x 151,936 x 4 B = 1.16 GiB): 4.7 GiB for the engine.
     path = _policy_dir(tmp_path, QWEN25_05B)
     base = [f"model.path={path}", "learner.zero_stage=0", "rollout.guide.enable=false", "data.rollout_batch_size=2",
             "rollout.n=2", "data.max_response_length=16", "learner.mini_batches=1"]
@@ -71,9 +72,14 @@ def test_zero0_with_the_kl_reference_is_refused_as_measured_and_without_it_fits(
     (row,) = _rows(load_config("configs/quickstart.yaml", base), machine)
     assert not row.ok
     for part in ("learner's weight-sync host copy (rank 0) 1.8", "allocator slack (glibc heap) 1.6",
-                 "optimizer temporaries (2 x largest tensor) 1.0"):
+                 "optimizer temporaries (2 x largest tensor) 1.0", "rollout engine x1 4.7"):
         assert part in row.result, row.result
     learner = float(row.result.split("learner rank x1 ")[1].split(",")[0]) + 1.8
     assert abs(learner - 15.2) / 15.2 < 0.05, row.result
     (row,) = _rows(load_config("configs/quickstart.yaml", [*base, "learner.kl.enable=false"]), machine)
-    assert row.ok, row.result
+    assert not row.ok, row.result
+    # Qwen2.5-0.5B's shape with 12 of its 24 layers (0.315e9 parameters), KL off: the size that ran
+    twelve = _policy_dir(tmp_path / "12", {**QWEN25_05B, "num_hidden_layers": 12})
+    (row,) = _rows(load_config("configs/quickstart.yaml", [*base, f"model.path={twelve}", "learner.kl.enable=false"]),
+                   machine)
+    assert row.ok and "0.32B parameters: 16.5 GiB of 21.2 GiB" in row.result, row.result
