@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench.common import print_table
-from asyncrl.config import Config
+from asyncrl.config import Config, load_config
 
 # Differences that no setting removes (printed with the settings table).
 UNEQUAL = [
@@ -125,7 +125,12 @@ def _asyncrl_side(cfg: Config, out: Path) -> dict[str, Any]:
     import yaml
 
     cfg_path = out / "asyncrl_config.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    # Only the keys that are set (by the user's file, the overrides or `_side_config`): a full dump
+    # would set every default explicitly, which the preflight reads as the user's choice (vision
+    # keys on a text model refused the launch: `make bench-trl` exited 2 before its first step).
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+    if load_config(cfg_path, []).model_dump() != cfg.model_dump():
+        raise RuntimeError(f"{cfg_path} does not read back as the benchmark's config")
     t_launch = time.time()
     wall = _timed([sys.executable, "-m", "asyncrl.launch", "--config", str(cfg_path)], out / "asyncrl.log")
     run_dir = cfg.run_path
@@ -276,6 +281,8 @@ def _side_config(cfg: Config, out: Path, smoke: bool) -> Config:
     cfg.trainer.resume = "never"
     cfg.trainer.experiment_name = f"bench-trl-asyncrl-{out.name}"
     cfg.trainer.run_dir = str(out / "asyncrl_runs")
+    cfg.rollout.guide = cfg.rollout.guide  # the sections changed above count as set (see _asyncrl_side)
+    cfg.rollout, cfg.trainer = cfg.rollout, cfg.trainer
     return cfg
 
 

@@ -87,3 +87,19 @@ def test_repeats_report_min_median_max_of_every_ratio():
     assert spread["launch_to_exit_asyncrl_over_trl"] == (0.9, 1.0, 1.2)
     assert spread["asyncrl median_step_s"] == (0.5, 0.6, 0.7)
     assert "same_accuracy_within_1se" not in spread and "asyncrl time_to_trl_final_s" not in spread
+
+
+def test_the_asyncrl_sides_config_file_reads_back_and_passes_the_preflight(tmp_path):
+    # The side's YAML once held every default explicitly; the preflight read data.min_pixels /
+    # max_pixels as set on a text model and `make bench-trl` exited 2 before its first step.
+    import yaml
+
+    from asyncrl.preflight import check_model, refusals
+
+    side = bench_trl._side_config(load_config(ROOT / "configs" / "quickstart.yaml", ["trainer.max_steps=200"]),
+                                  tmp_path, smoke=False)
+    path = tmp_path / "side.yaml"
+    path.write_text(yaml.safe_dump(side.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+    back = load_config(path, [])
+    assert back.model_dump() == side.model_dump() and back.rollout.guide.enable is False
+    assert refusals(check_model(back)) == []
