@@ -133,6 +133,7 @@ def test_row_without_answer_fails_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "bad" / "metrics.jsonl").exists() or not (tmp_path / "bad" / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow  # 28-34 s (Serve's deploy before the probe); the unreachable case is a fast preflight unit test
 def test_http_verifier_that_does_not_speak_the_api_fails_before_training(tmp_path: Path) -> None:
     # The server accepts connections (so the preflight's connect check passes; a port where
     # nothing listens is refused before Ray: tests/unit/test_preflight.py) but answers 404: the
