@@ -511,7 +511,7 @@ def check_ports_and_resume(cfg: Config, models: dict[str, ModelFiles]) -> list[R
 @register_check
 def memory_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
     """A CPU job on this machine (the embedded cluster) fits its memory: learner ranks, rollout
-    engines and the WeightStore's copy, estimated by `asyncrl.learner.memory` against 90% of the
+    engines and the WeightStore's two copies (current + next), estimated by `asyncrl.learner.memory` against 90% of the
     machine (Ray's memory monitor kills workers at 95%). A GPU job's per-GPU fit is estimated by
     scripts/gpu_check.py (S3); a joined cluster's nodes are not this machine."""
     if cfg.cluster.ray_address or cfg.learner.num_gpus > 0 or cfg.rollout.gpus_per_actor > 0:
@@ -546,7 +546,10 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
     parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
              "learner's weight-sync host copy (rank 0)": sync_copy,
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,
-             "weight store copy": int(4 * shape.params), "driver and services": mem.CPU_RUNTIME_BYTES}
+             # the store holds the current version while the next one is put (object store): at 20 of
+             # Qwen2.5-0.5B's layers, accepted with one copy counted, Ray's monitor killed an actor
+             "weight store copy x2 (current + next)": int(2 * 4 * shape.params),
+             "driver and services": mem.CPU_RUNTIME_BYTES}
     budget = int(0.9 * machine_bytes)
     total = sum(parts.values())
     detail = (f"{mem.describe(parts, budget)}; one learner rank: "
