@@ -538,13 +538,11 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
     trainable = float(adapter) if adapter is not None else shape.params
     synced = trainable if adapter is not None and sync_kind(cfg) == "adapter" else shape.params
     churn = rank["parameters"] + rank["gradients"] + rank["optimizer (fp32 master + Adam moments)"]
-    extras = mem.cpu_learner_extras(shape, bf16=cfg.learner_precision == "bf16", sync_params=synced,
-                                    trainable=trainable, churn_bytes=churn)
-    sync_copy = extras.pop("weight-sync host copy (rank 0)")
-    rank.update(extras)  # every rank's
+    rank.update(mem.cpu_learner_extras(shape, trainable=trainable, churn_bytes=churn))
+    sync_copy = (2 if cfg.learner_precision == "bf16" else 4) * synced  # the sender's HostArena, rank 0
     engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB), cfg.rollout.max_num_batched_tokens)
     parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
-             "learner's weight-sync host copy (rank 0)": sync_copy,
+             "learner's weight-sync host copy (rank 0)": int(sync_copy),
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,
              # the store holds the current version while the next one is put (object store): at 20 of
              # Qwen2.5-0.5B's layers, accepted with one copy counted, Ray's monitor killed an actor

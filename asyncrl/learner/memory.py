@@ -115,19 +115,18 @@ def rank_bytes(shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, mi
     return {k: int(v) for k, v in out.items()}
 
 
-ALLOCATOR_SLACK = 0.22  # glibc heap growth over a CPU learner's tensor state (measured, see cpu_rank0_extras)
+ALLOCATOR_SLACK = 0.22  # glibc heap growth over a CPU learner's tensor state (measured, see cpu_learner_extras)
 
 
-def cpu_learner_extras(shape: ModelShape, *, bf16: bool, sync_params: float, trainable: float,
-                       churn_bytes: float) -> dict[str, int]:
-    """What a CPU learner rank holds beyond `rank_bytes` (the sync copy: rank 0 only), measured
+def cpu_learner_extras(shape: ModelShape, *, trainable: float, churn_bytes: float) -> dict[str, int]:
+    """What every CPU learner rank holds beyond `rank_bytes`, measured
     at Qwen2.5-0.5B's shape (0.494e9 parameters, fp32, ZeRO-0; BENCHMARKS.md "Real size on CPU").
     Two real jobs were killed by Ray's memory monitor in step 2 with the learner at 15.2 GiB (KL
     on) and 14.5 GiB (KL off) resident (lower bounds of its peak: it was still growing) against
     11.1 and 9.2 GiB estimated by `rank_bytes` alone. An in-process learner
     (`scripts/learner_memory.py`) showed where the rest goes:
-    - the weight-sync host copy: the sender's `HostArena` keeps one whole version of what is synced
-      for the WeightStore (w x `sync_params`: full weights, or the LoRA adapter), 1.84 GiB;
+    - (rank 0 only, counted by the caller) the weight-sync host copy: the sender's `HostArena` keeps
+      one whole version of what is synced for the WeightStore (full weights or the adapter), 1.84 GiB;
     - per-tensor temporaries of the optimizer step and the tied head's gradient: about two copies
       of the largest parameter (the embedding, vocab x hidden, fp32 master), 1.0 GiB;
     - glibc's heap: the process held 1.65 GiB more after three steps than with a fixed
@@ -137,8 +136,7 @@ def cpu_learner_extras(shape: ModelShape, *, bf16: bool, sync_params: float, tra
     With these terms the estimates are 15.5 and 13.7 GiB.
     """
     largest = shape.vocab * shape.hidden * 4 if trainable >= shape.vocab * shape.hidden else trainable * 4
-    return {"weight-sync host copy (rank 0)": int((2 if bf16 else 4) * sync_params),
-            "optimizer temporaries (2 x largest tensor)": int(2 * largest),
+    return {"optimizer temporaries (2 x largest tensor)": int(2 * largest),
             "allocator slack (glibc heap)": int(ALLOCATOR_SLACK * churn_bytes)}
 
 
