@@ -101,10 +101,20 @@ def _scoped_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def group_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store client of a group's own, for `make_group`. A TCPStore client runs one request at a
+    time and holds the connection for the whole of a blocking `get`/`wait`: gloo's constructor
+    (and NCCL's first collective) wait there for every peer's key, up to the backstop, so on the
+    member's shared client they would stall its heartbeats and the sender's own bookkeeping until
+    then (a member that died before connecting held a round for 50 s instead of one deadline)."""
+    return make_store(host, port, is_master=False, timeout_s=timeout_s)
+
+
 def make_group(store: dist.Store, generation: int, rank: int, world: int, backend: str,
                timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
     """A process group made only for weights, over `PrefixStore(asyncrl_w/g{generation})`.
-    Its own timeout is `backstop_timeout`; callers bound every collective with `wait_work`."""
+    Its own timeout is `backstop_timeout`; callers bound every collective with `wait_work`.
+    `store` should be the group's own client (`group_store`), not one other threads use."""
     prefixed = dist.PrefixStore(f"{PREFIX}/g{generation}/pg", store)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()

@@ -33,6 +33,7 @@ from asyncrl.weights.group import (
     backstop_timeout,
     connect_group,
     cumem_mismatch,
+    group_store,
     make_group,
     make_store,
     nccl_cumem,
@@ -87,7 +88,8 @@ class WeightReceiver:
         self.member_id = member_id
         self.timeout_s = float(timeout_s)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.store = make_store(host, int(port), is_master=False, timeout_s=self.timeout_s)
+        self.host, self.port = host, int(port)
+        self.store = make_store(host, self.port, is_master=False, timeout_s=self.timeout_s)
         self.generation = -1
         self.dead_generation = 0  # generations at or below this one are aborted/broken for us
         self.pg: Any = None
@@ -190,7 +192,8 @@ class WeightReceiver:
         device = self.device if nccl else None
         try:
             self.pg = connect_group(
-                lambda: make_group(self.store, g, rank, plan["world"], plan["backend"], self.timeout_s, device),
+                lambda: make_group(group_store(self.host, self.port, self.timeout_s), g, rank, plan["world"],
+                                   plan["backend"], self.timeout_s, device),
                 device, deadline, backstop_timeout(self.timeout_s).total_seconds(),
                 tick=lambda: self._tick(f"g{g}/connect"))
         except (RoundAborted, CollectiveTimeout, RuntimeError) as exc:

@@ -29,6 +29,7 @@ from asyncrl.weights.group import (
     backstop_timeout,
     connect_group,
     cumem_mismatch,
+    group_store,
     make_group,
     make_store,
     nccl_cumem,
@@ -244,7 +245,8 @@ class WeightSender:
         its communicator there; a member that died after joining must not hold the learner)."""
         backstop = backstop_timeout(self.timeout_s).total_seconds()
         return connect_group(
-            lambda: make_group(self.store, g, 0, len(members) + 1, self.backend, self.timeout_s, self.device),
+            lambda: make_group(group_store(self.host, self.port, self.timeout_s), g, 0, len(members) + 1,
+                               self.backend, self.timeout_s, self.device),
             self.device, time.monotonic() + self.timeout_s, backstop)
 
     def _destroy_group(self) -> None:

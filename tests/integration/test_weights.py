@@ -410,3 +410,24 @@ def test_weight_store_serves_late_joiner():
         assert fetch_weights(min_version=-1) is None  # shut down with its job
     finally:
         ray.shutdown()
+
+
+def test_a_group_being_built_never_holds_the_members_own_store_client():
+    # A TCPStore client runs one request at a time and keeps the connection for the whole of a
+    # blocking wait; gloo's constructor waits there for every peer's key, up to the group's
+    # backstop (here 4*1+30 = 34 s). Built on the member's own client, a peer that never comes
+    # stalled that member's heartbeats and the sender's bookkeeping for the whole backstop (CI, on
+    # the test above: 'a' dropped after 56 s). Each group gets its own client (`group_store`):
+    # with the peer absent, the deadline fires at 1 s and the shared client answers at once.
+    from asyncrl.weights.group import CollectiveTimeout, connect_group, group_store, make_group, make_store
+
+    master = make_store("127.0.0.1", 0, is_master=True, timeout_s=5.0)
+    member = make_store("127.0.0.1", master.port, is_master=False, timeout_s=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout):  # rank 1 of 2 never comes
+        connect_group(lambda: make_group(group_store("127.0.0.1", master.port, 1.0), 1, 0, 2, "gloo", 1.0),
+                      None, time.monotonic() + 1.0, backstop_s=34.0, tick=lambda: member.add("alive", 1))
+    ticks = member.add("alive", 0)  # the constructor is still waiting for rank 1 in its thread
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10.0, elapsed  # one deadline, not the 34 s backstop
+    assert ticks >= 2  # the heartbeat ran while the group was being built (every 0.2 s)
