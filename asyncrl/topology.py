@@ -3,7 +3,8 @@
 Read `build_topology` top to bottom to see every component of a job and the order they start in:
 the weight store and the verifier service (in the background, from the first moment), data,
 coordinator and replay buffer (their processes started together), the learner's placement
-(reserved before any engine), rollout fleet (launched), weight store (waited for), learner group,
+(reserved before any engine), rollout fleet (launched, engines building), coordinator and
+replay buffer (waited for), weight store (waited for), learner group,
 weight sender (publishing version 0), verifier service (waited for), rollout fleet (joined) and, on
 resume, a first weight broadcast. Each step is timed and a step that cannot start fails
 the launch with its name (asyncrl.startup.StartupError), with everything already started torn
@@ -126,21 +127,35 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         state_dir.mkdir(exist_ok=True)
         restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
                         scheduling_strategy=_on_this_node())
-        # created now, so its process starts while the coordinator's does
+        # Created now (handles only), so their processes start while the learner's placement is
+        # reserved and the engines build; their steps below wait for them.
         topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
             cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
+        topo.rows_ref = ray.put(rows)  # held by the driver for the job's life: a restarted coordinator is built from it
+        topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
+            name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
+            resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
+            topo.rows_ref, cfg.data.model_dump_json(),
+            stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
+            buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
+        # The learner's GPUs first: reserved after the engines, its ranks would be spread over
+        # the nodes the engines left (ZeRO collectives then cross the inter-node link).
+        with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
+            topo.learner_placement = reserve_placement(cfg)
+        fail_early()
+        # The engine builds (the longest step: what the first step waits for) start now and run
+        # while the coordinator, the buffer, the weight store and the learner start; an actor asks
+        # the buffer for its address once its engine is up. Not on resume: an actor started then
+        # must see the restored version (and its weights).
+        topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address="",
+                                  namespace=namespace, coordinator=topo.coordinator, buffer=topo.buffer, learner=None)
+        launched = topo.fleet.launch(cfg.rollout.num_actors) if resume is None else None
+        if launched is not None:
+            say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the other services start")
         with step_timer("coordinator"):
-            # held by the driver for the job's life: a restarted coordinator is built from it again
-            topo.rows_ref = ray.put(rows)
-            topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
-                name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
-                resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
-                topo.rows_ref, cfg.data.model_dump_json(),
-                stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
-                buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
             topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
         with step_timer("replay buffer"):
-            topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+            topo.buffer_address = topo.fleet.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
             topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
             say(f"  replay buffer listening at {topo.buffer_address}")
             snap = resume / "buffer" / "groups.snapshot" if resume else None
@@ -150,18 +165,6 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
         fail_early()
         if not cfg.rollout.guide.enable:  # nothing would call it (no Serve processes competing for the CPUs)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
-        # The learner's GPUs first: reserved after the engines, its ranks would be spread over
-        # the nodes the engines left (ZeRO collectives then cross the inter-node link).
-        with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
-            topo.learner_placement = reserve_placement(cfg)
-        fail_early()
-        # The engine builds (the longest step) run while the weight store and the learner start.
-        # Not on resume: an actor started then must see the restored version (and its weights).
-        topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address=topo.buffer_address,
-                                  namespace=namespace, coordinator=topo.coordinator, buffer=topo.buffer, learner=None)
-        launched = topo.fleet.launch(cfg.rollout.num_actors) if resume is None else None
-        if launched is not None:
-            say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the learner starts")
         with step_timer("weight store"):
             topo.weight_store = pending["weight store"].result(timeout=timeout)
             del pending["weight store"]

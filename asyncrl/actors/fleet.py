@@ -96,7 +96,7 @@ class RolloutFleet:
             actor_id = f"rollout-{self.next_index}"
             self.next_index += 1
             actor = self.actor_cls.options(name=actor_id, resources=self.cfg.cluster.resources.get("rollout")).remote(
-                self.cfg.model_dump_json(), actor_id, self.buffer_address, self.namespace)
+                self.cfg.model_dump_json(), actor_id, self.buffer_address, self.namespace, self.buffer)
             pending[actor_id] = (actor, actor.start.remote())
         self._launching.update({aid: actor for aid, (actor, _) in pending.items()})
         return pending

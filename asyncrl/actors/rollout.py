@@ -40,18 +40,37 @@ def renice(nice: int | None) -> None:
         os.nice(nice - os.nice(0))
 
 
+def renice_children(nice: int | None) -> None:
+    """`renice` for this process's descendants (the engine core vLLM spawned inherited the
+    niceness this process had then)."""
+    import psutil
+
+    if nice is None:
+        return
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if nice > child.nice():
+                child.nice(nice)
+        except psutil.Error:  # gone, or not ours to change
+            continue
+
+
 class RolloutWorker:
     """The actor's logic as a plain class (wrapped by `make_rollout_actor_class` for Ray)."""
 
-    def __init__(self, cfg_json: str, actor_id: str, buffer_address: str, namespace: str):
+    def __init__(self, cfg_json: str, actor_id: str, buffer_address: str, namespace: str,
+                 buffer: Any = None):
+        """`buffer_address` "" = not known at launch (the topology launches the fleet before the
+        replay buffer listens, so the engine builds meanwhile): the actor asks `buffer` (the
+        BufferHost actor) for it once its engine is up."""
         from asyncrl.logs import redirect_output
 
         redirect_output(actor_id)  # vLLM and its engine processes write to <run_dir>/logs/<actor_id>.log
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.cfg = Config.model_validate_json(cfg_json)
-        renice(rollout_cpu_nice(self.cfg.rollout.gpus_per_actor, self.cfg.rollout.cpu_nice))
         self.actor_id = actor_id
         self.buffer_address = buffer_address
+        self.buffer_host = buffer
         self.namespace = namespace
         self.engine: Any = None
         self.vl: Any = None  # group.VLContext for a vision-language policy (set by start)
@@ -98,13 +117,6 @@ class RolloutWorker:
         if self.engine is not None:  # start() again on a live actor (after a failed loop)
             self.engine.shutdown()
         _kill_orphans(self._pid_file())  # engine processes left by a previous incarnation (SIGKILL/OOM)
-        self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
-        self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
-                                   actor_id=self.actor_id)
-        if self.pushes is not None:
-            self.pushes.close()
-        # pushes of concurrent groups overlap on the wire; each group still awaits its own ack
-        self.pushes = PushWindow(self.buffer, cfg.buffer.push_window)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
@@ -113,8 +125,24 @@ class RolloutWorker:
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
                                    weight_bucket_mb=cfg.learner.weights.bucket_mb, **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
+        # The engine is built at Ray's niceness: it is what the first step waits for (at 19 it got
+        # ~30 % of a core against the learner's start, at 15 like the learner). Generating, it
+        # yields to the learner, the job's critical path from now on (`rollout.cpu_nice`).
+        nice = rollout_cpu_nice(cfg.rollout.gpus_per_actor, cfg.rollout.cpu_nice)
+        renice(nice)
+        renice_children(nice)
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         self.reward_fn = load_reward(cfg.reward)
+        # the job's services, which may have started while the engine was being built
+        self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
+        if not self.buffer_address:
+            self.buffer_address = await self.buffer_host.start.remote()  # idempotent: its address
+        self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
+                                   actor_id=self.actor_id)
+        if self.pushes is not None:
+            self.pushes.close()
+        # pushes of concurrent groups overlap on the wire; each group still awaits its own ack
+        self.pushes = PushWindow(self.buffer, cfg.buffer.push_window)
         state = await self.coordinator.get_state.remote()
         if state["version"] > 0:  # restarted or late joiner: newest weights before generating
             await self.engine.load_weights_from_store(min_version=0)

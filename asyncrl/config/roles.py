@@ -110,6 +110,7 @@ class RolloutConfig(Section):
     (`rollout_cpu_nice`): 19 for a CPU engine, unchanged with GPUs. On a CPU machine the engines
     and the learner share cores while the fleet is paced by the buffer's admission anyway (it idles
     ~55% of the quick start waiting for tickets): the learner, the job's critical path, goes first.
+    Applied once the engine is built (the build is what the first step waits for).
     Ray starts its worker processes at niceness 15, so values below that change nothing."""
     max_restarts: int = Field(3, ge=-1)
     """Ray restarts of a crashed actor (-1 = unlimited)."""

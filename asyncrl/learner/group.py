@@ -41,7 +41,9 @@ __all__ = ["LearnerGroup", "LearnerActor"]
 def _raise_priority() -> None:
     """A CPU learner shares its cores with the rollout engines (niced by `rollout.cpu_nice`): undo
     the niceness 15 Ray starts its workers at, where the process may (root or CAP_SYS_NICE), so
-    the learner, the job's critical path, is scheduled first. Elsewhere nothing changes."""
+    the learner, the job's critical path, is scheduled first. Elsewhere nothing changes. Called
+    once the learner is built: during start-up the engine builds are the critical path (the
+    rollout actors renice themselves only after theirs)."""
     try:
         os.nice(-os.nice(0))
     except OSError:
@@ -75,7 +77,6 @@ class LearnerActor:
         os.environ.setdefault("LOCAL_RANK", "0")
         if cfg.learner.num_gpus == 0:
             torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
-            _raise_priority()
         from asyncrl.learner.learner import LearnerWorker
         from asyncrl.startup import starting
 
@@ -83,6 +84,8 @@ class LearnerActor:
             self.worker.close()
         with starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
             self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
+        if cfg.learner.num_gpus == 0:  # built at Ray's niceness, like the engines (see _raise_priority)
+            _raise_priority()
         state = cfg.run_path / "state"
         if state.is_dir():  # which process is which rank (fault drills)
             (state / f"learner_rank_{rank}.pid").write_text(str(os.getpid()))

@@ -21,8 +21,8 @@ from asyncrl.config import Config  # noqa: E402
 class StandIn:
     """Rollout actor stand-in: `start` takes `delay_s` (an engine build), `shutdown` is recorded."""
 
-    def __init__(self, cfg_json: str, actor_id: str, buffer_address: str, namespace: str) -> None:
-        self.actor_id = actor_id
+    def __init__(self, cfg_json: str, actor_id: str, buffer_address: str, namespace: str, buffer=None) -> None:
+        self.actor_id = actor_id  # (`buffer`: the BufferHost a launch before the buffer listens asks for its address)
         self.closed = False
 
     def start(self, delay_s: float = 1.5) -> dict:

@@ -47,6 +47,21 @@ def test_a_rollout_actor_renices_itself_absolutely_and_only_upwards():
     assert callable(rollout.renice)
 
 
+def test_an_engine_built_at_rays_niceness_is_reniced_with_its_children_afterwards():
+    # The rollout actor builds its engine at Ray's 15 (the first step waits for it), then gives
+    # itself and the engine core it spawned meanwhile `rollout.cpu_nice`: here a child started at
+    # 15 ends at 19, and one the test already put at 19 is left (never lowered).
+    code = ("import subprocess, sys, psutil; from asyncrl.actors.rollout import renice, renice_children; "
+            "a = subprocess.Popen(['sleep', '30']); b = subprocess.Popen(['nice', '-n', '4', 'sleep', '30']); "
+            "import time; time.sleep(0.3); renice(19); renice_children(19); "
+            "print(psutil.Process(a.pid).nice(), psutil.Process(b.pid).nice()); a.kill(); b.kill()")
+    import subprocess
+    import sys
+
+    out = subprocess.run(["nice", "-n", "15", sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["19", "19"]
+
+
 def test_a_cpu_learner_takes_back_rays_niceness_where_it_may():
     after = _nice_after("from asyncrl.learner.group import _raise_priority; _raise_priority()")
     # where a process may lower its niceness (root with CAP_SYS_NICE): back to 0; otherwise
