@@ -60,7 +60,7 @@ import sys
 import threading
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -814,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
-    result: dict[str, Any] = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device,
+    result: dict[str, Any] = {"date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "device": device,
                               "mode": "cpu-dry" if args.cpu else "gpu", "stages": {}}
     if args.wheelhouse:
         t = time.perf_counter()

@@ -117,7 +117,7 @@ class VerifierClient:
         try:
             assert self._sem is not None
             await asyncio.wait_for(self._sem.acquire(), timeout=max(deadline - time.monotonic(), 0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._fail(rid, t0, 0, f"no concurrency slot within the {c.deadline_s:g}s deadline")
         try:
             while True:
@@ -128,7 +128,7 @@ class VerifierClient:
                 try:
                     reply = await asyncio.wait_for(self._send(body, remaining), timeout=remaining)
                     return self._succeed(reply, rid, t0, attempts)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     last_error = f"no reply within the {c.deadline_s:g}s deadline"
                     break
                 except _Final as exc:
