@@ -29,7 +29,7 @@ ARGS = ["rollout.n=4", "data.rollout_batch_size=2", "verifier.port=0", "trainer.
         "rollout.num_actors=2", "rollout.cpus_per_actor=0.5"]  # two actors: both roles' log files are checked
 THIRD_PARTY = re.compile(r"CALL chat|verifier_Verifier|ServeReplica|ProxyActor|ServeController|No CUDA runtime|"
                          r"Triton|WARNING \d\d-\d\d|Loading weights|DeepSpeed|RotaryEmbedding|\(RolloutWorker|"
-                         r"\(LearnerActor|Generating train split")
+                         r"\(LearnerActor|Generating train split|core_worker\.cc")
 
 
 def launch(run_dir: Path, *extra: str, verbose: bool = False) -> subprocess.CompletedProcess[str]:
