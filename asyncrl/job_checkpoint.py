@@ -40,10 +40,25 @@ def write_job_checkpoint(topo: Topology, run_dir: Path, progress: Progress, acto
         (staging / "run_state.json").write_text(json.dumps({"step": progress.step, "version": progress.version,
                                                             "actors": actors}))
 
+    from asyncrl.learner.checkpoint import check_room
+
+    check_room(topo.learner.checkpoint_root(), _estimate(topo))  # before anything is written
     t0 = time.time()
     path = topo.learner.save_checkpoint(progress.step, extra)
     say(f"checkpoint {path} ({time.time() - t0:.1f}s)")
     return Path(path)
+
+
+def _estimate(topo: Topology) -> int:
+    """The first checkpoint's size, estimated from the policy's config.json (0 when unreadable:
+    then only later checkpoints, sized by the newest one, are checked)."""
+    from asyncrl.preflight import checkpoint_estimate, read_model
+
+    cfg = topo.cfg
+    try:
+        return checkpoint_estimate(cfg, read_model("model.path", cfg.model.path, cfg.model.tokenizer_path))
+    except (ValueError, KeyError, OSError):
+        return 0
 
 
 def _buffer_snapshot(topo: Topology, staging: Path, emergency: bool) -> list[int]:

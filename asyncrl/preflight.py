@@ -560,6 +560,39 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
 
 
 
+def checkpoint_estimate(cfg: Config, policy: ModelFiles) -> int:
+    """Bytes of one job checkpoint of this policy (`asyncrl.learner.memory.checkpoint_bytes`)."""
+    from asyncrl.learner import memory as mem
+
+    shape = mem.shape_from_config(policy.text, cfg.model.path)
+    adapter = mem.lora_params(policy.text, cfg.model.lora.rank, cfg.model.lora.target_modules) \
+        if cfg.model.lora.enable else None
+    return mem.checkpoint_bytes(shape.params, float(adapter) if adapter is not None else shape.params,
+                                bf16=cfg.learner_precision == "bf16")
+
+
+@register_check
+def disk_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
+    """The run directory's filesystem holds the checkpoints this run keeps (the periodic ones, up
+    to `trainer.save_limit`, and the final one): refused when not even one fits (the job would
+    fail at its first checkpoint), said aloud when only some do."""
+    from asyncrl.learner.checkpoint import free_bytes
+
+    one = checkpoint_estimate(cfg, models["policy"])
+    t = cfg.trainer
+    writes = 1 + (t.max_steps // t.save_every if t.max_steps and t.save_every > 0 else 0)
+    kept = min(writes, t.save_limit) if t.save_limit > 0 else writes
+    free = free_bytes(cfg.run_path)
+    where = f"trainer.run_dir: {cfg.run_path} has {free / 1e9:.2f} GB free; one checkpoint takes ~{one / 1e9:.2f} GB"
+    fix = "free space there, point trainer.run_dir elsewhere, or lower trainer.save_limit"
+    if free < one:
+        return [Row("disk", False, f"{where}: not even one fits", fix)]
+    if free < one * kept:
+        return [Row("disk", True, f"{where}: {int(free // one)} of the {kept} this run keeps fit "
+                    "(a checkpoint that does not fit is skipped, said aloud)")]
+    return [Row("disk", True, f"{where} ({kept} kept)")]
+
+
 @register_check
 def check_rule_verifier(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:  # noqa: ARG001 - the registry's signature
     """The rule back-end's task, built here as its replica builds it (asyncrl.tasks)."""

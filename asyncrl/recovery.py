@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.startup import say
+from asyncrl.startup import one_line, root_cause, say
 from asyncrl.topology import describe_failure
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def stop_on_failure(exc: BaseException, topo: Topology, run_dir: Path, progress:
         try:
             checkpoint()
         except Exception as exc2:  # noqa: BLE001 - already failing; say what could not be written
-            say(f"the emergency checkpoint could not be written: {type(exc2).__name__}: {exc2}")
+            say(f"the emergency checkpoint could not be written: {one_line(root_cause(exc2))}")
     newest = latest_checkpoint(run_dir / "checkpoints")
     say(f"newest checkpoint: {newest if newest else 'none (a resume starts from scratch)'}")
     try:

@@ -81,6 +81,19 @@ def one_line(exc: BaseException, limit: int = 400) -> str:
     return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """What a Ray task raised in its own process (`RayTaskError.cause`), else `exc`: the remote
+    error's first line is Ray's frame header ("ray::LearnerActor.save_checkpoint() (pid=...)"),
+    not what went wrong."""
+    try:
+        from ray.exceptions import RayTaskError
+    except ImportError:
+        return exc
+    while isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), BaseException):
+        exc = exc.cause
+    return exc
+
+
 def node_host() -> str:
     try:
         import ray

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
-from asyncrl.startup import StartupError, say, step_timer
+from asyncrl.startup import StartupError, root_cause, say, step_timer
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -282,7 +282,8 @@ def describe_failure(topo: Topology, exc: BaseException) -> tuple[str, str, str]
     import ray
 
     dead = getattr(exc, "actor_id", None) if isinstance(exc, ray.exceptions.RayActorError) else None
-    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    cause = root_cause(exc)  # a remote error: what the task raised, not Ray's frame header
+    reason = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200] if str(cause) else ''}"
     if dead:
         roles: dict[str, tuple[str, str]] = {}
         for name, handle, host_key in (("the replay buffer (BufferHost)", topo.buffer, "buffer"),

@@ -220,8 +220,18 @@ class Trainer:
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
         return evaluate_on_fleet(self.cfg, self.fleet, self.version, self.run_dir, split, tag)
 
-    def checkpoint(self, emergency: bool = False) -> Path:
-        return write_job_checkpoint(self.topo, self.run_dir, self.progress, len(self.fleet), emergency)
+    def checkpoint(self, emergency: bool = False) -> Path | None:
+        """The job's checkpoint; None when the disk has no room for it (said aloud, training goes
+        on; on the error path the failure propagates to `stop_on_failure`, which says it)."""
+        from asyncrl.learner.checkpoint import CheckpointNoRoom
+
+        try:
+            return write_job_checkpoint(self.topo, self.run_dir, self.progress, len(self.fleet), emergency)
+        except CheckpointNoRoom as exc:
+            if emergency:
+                raise
+            say(f"checkpoint at step {self.step} skipped: {exc}")
+            return None
 
     def on_failure(self, exc: BaseException) -> int:
         """The job cannot go on (asyncrl.recovery.stop_on_failure); the exit status."""

@@ -77,6 +77,37 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+class CheckpointNoRoom(RuntimeError):
+    """A checkpoint would not fit on its filesystem (checked before writing one)."""
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Free bytes on the filesystem that holds `path` (or would, once created)."""
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def dir_bytes(path: str | os.PathLike[str]) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def check_room(root: str | os.PathLike[str], estimate: int) -> None:
+    """Raise CheckpointNoRoom (one line, naming the directory and both sizes) when the next
+    checkpoint under `root` would not fit: it needs what the newest one there took, or
+    `estimate` before the first. Writing it anyway fails half-way (torch's writer: "unexpected
+    pos ...", a remote traceback) and leaves a partial temporary directory on a full disk."""
+    newest = latest_checkpoint(root)
+    need = dir_bytes(newest) if newest is not None else estimate
+    free = free_bytes(root)
+    if free < need:
+        what = f"the newest ({newest.name}) took {need / 1e9:.2f} GB" if newest is not None else \
+            f"one takes ~{need / 1e9:.2f} GB (estimated)"
+        raise CheckpointNoRoom(f"no room for a checkpoint in {root}: {free / 1e9:.2f} GB free, {what}; "
+                               "free space there, or set trainer.save_limit / trainer.run_dir")
+
+
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     ckpts = list_checkpoints(root)
     return ckpts[-1][1] if ckpts else None
