@@ -575,7 +575,9 @@ def checkpoint_estimate(cfg: Config, policy: ModelFiles) -> int:
 def disk_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
     """The run directory's filesystem holds the checkpoints this run keeps (the periodic ones, up
     to `trainer.save_limit`, and the final one): refused when not even one fits (the job would
-    fail at its first checkpoint), said aloud when only some do."""
+    fail at its first checkpoint), said aloud when only some do. The driver's filesystem: in the
+    embedded mode the learner writes there; on a joined cluster learner rank 0 writes the same
+    `trainer.run_dir`, which must then be shared storage."""
     from asyncrl.learner.checkpoint import free_bytes
 
     one = checkpoint_estimate(cfg, models["policy"])
