@@ -6,7 +6,6 @@ Also: a remote error is named by what the task raised, not by Ray's frame header
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,8 +47,11 @@ def test_the_next_checkpoint_needs_what_the_newest_took(tmp_path, monkeypatch):
     ckpt.check_room(root, estimate=10**12)
 
 
-def test_free_bytes_of_a_directory_not_created_yet_is_its_filesystems(tmp_path):
-    assert ckpt.free_bytes(tmp_path / "runs" / "x" / "checkpoints") == shutil.disk_usage(tmp_path).free
+def test_free_bytes_of_a_directory_not_created_yet_is_its_filesystems(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: asked.append(p) or SimpleNamespace(free=7))
+    assert ckpt.free_bytes(tmp_path / "runs" / "x" / "checkpoints") == 7
+    assert asked == [tmp_path.resolve()]  # the nearest directory that exists
 
 
 def test_the_disk_row_refuses_a_run_whose_first_checkpoint_cannot_fit(tmp_path, monkeypatch):
