@@ -57,7 +57,7 @@ def _estimate(topo: Topology) -> int:
     cfg = topo.cfg
     try:
         return checkpoint_estimate(cfg, read_model("model.path", cfg.model.path, cfg.model.tokenizer_path))
-    except (ValueError, KeyError, OSError):
+    except (ValueError, KeyError, TypeError, OSError):
         return 0
 
 

@@ -580,7 +580,10 @@ def disk_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
     `trainer.run_dir`, which must then be shared storage."""
     from asyncrl.learner.checkpoint import free_bytes
 
-    one = checkpoint_estimate(cfg, models["policy"])
+    try:
+        one = checkpoint_estimate(cfg, models["policy"])
+    except (KeyError, TypeError, ValueError):  # a config.json without a decoder's dimensions: no estimate
+        return []
     t = cfg.trainer
     writes = 1 + (t.max_steps // t.save_every if t.max_steps and t.save_every > 0 else 0)
     kept = min(writes, t.save_limit) if t.save_limit > 0 else writes

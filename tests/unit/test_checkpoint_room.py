@@ -96,3 +96,11 @@ def test_a_remote_error_is_named_by_what_the_task_raised():
     assert one_line(root_cause(remote)).startswith("RuntimeError: [enforce fail at inline_container.cc:672]")
     plain = ValueError("x")
     assert root_cause(plain) is plain
+
+
+def test_a_config_without_a_decoders_dimensions_gives_no_disk_row(tmp_path):
+    # the multi-node recipes' hub stubs (tests/integration/test_multinode.py) carry a bare config.json:
+    # a check must not raise (the launch then failed on a KeyError instead of its GPU-count row)
+    cfg = load_config("configs/quickstart.yaml", [f"trainer.run_dir={tmp_path}"])
+    stub = SimpleNamespace(text={"model_type": "qwen3"})
+    assert disk_fit(cfg, {"policy": stub}) == []
