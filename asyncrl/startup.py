@@ -40,6 +40,11 @@ def say(message: str) -> None:
     echo(f"[asyncrl] {message}")
 
 
+# How `step_timer` reports a finished step on the console, for the benchmarks that read it back
+# (`bench startup`, `bench scale`): "[asyncrl] learner (1 rank(s), ZeRO-1) ready (5.3s)".
+READY_LINE = re.compile(r"^\[asyncrl\] (?P<name>.+?) ready \((?P<secs>[0-9.]+)s\)", re.MULTILINE)
+
+
 @contextmanager
 def step_timer(what: str) -> Iterator[None]:
     t0 = time.time()

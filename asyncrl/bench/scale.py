@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import re
 import statistics
 import subprocess
 import sys
@@ -34,8 +33,9 @@ from typing import Any
 
 from asyncrl.bench.common import print_table
 from asyncrl.config import Config
+from asyncrl.learner.checkpoint import dir_bytes
+from asyncrl.startup import READY_LINE
 
-READY = re.compile(r"\[asyncrl\] (.+) ready \(([\d.]+)s\)")
 ROLES = (("learner", "LearnerActor"), ("rollout actor", "RolloutWorker"), ("vLLM engine core", "EngineCore"),
          ("replay buffer", "BufferHost"), ("coordinator", "Coordinator"), ("weight store", "WeightStore"))
 
@@ -104,7 +104,7 @@ def _run_job_once(config: str, overrides: list[str], tag: str, run_dir: Path) ->
     t0 = time.time()
     with launched(argv) as (proc, sampler):
         out, _ = proc.communicate()
-    ready = [(m.group(1), float(m.group(2))) for m in READY.finditer(out)]
+    ready = [(m["name"], float(m["secs"])) for m in READY_LINE.finditer(out)]
     rows = []
     for path in run_dir.rglob("metrics.jsonl"):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
@@ -116,7 +116,7 @@ def _run_job_once(config: str, overrides: list[str], tag: str, run_dir: Path) ->
             "weight_sync_s": mean("perf/weight_sync_s"), "weight_broadcast_s": mean("perf/weight_broadcast_s"),
             "fingerprint_mismatches": sum(int(r.get("weights/fingerprint_mismatch", 0)) for r in steps),
             "checkpoint": str(ckpts[-1]) if ckpts else None,
-            "checkpoint_bytes": sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()) if ckpts else 0,
+            "checkpoint_bytes": dir_bytes(ckpts[-1]) if ckpts else 0,
             "peak_rss_gib": {k: round(v / 2**30, 2) for k, v in sorted(sampler.peak.items())},
             "tail": out[-1500:] if proc.returncode else ""}
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from asyncrl.bench.common import print_table
 from asyncrl.config import Config
+from asyncrl.startup import READY_LINE
 
-READY = re.compile(r"^\[asyncrl\] (?P<name>.+?) ready \((?P<secs>[0-9.]+)s\)")
 ENGINE_UP = re.compile(r"engine up in (?P<secs>[0-9.]+)s")
 STEP_ONE = re.compile(r"^\[asyncrl\] step 1/")
 FLEET_LAUNCHED = re.compile(r"^\[asyncrl\] rollout actors x\d+: engines building")
@@ -47,7 +47,7 @@ def parse_console(lines: list[tuple[float, str]]) -> dict[str, Any]:
     out: dict[str, Any] = {"components": {}, "first_step_s": None, "engine_up_s": None, "fleet_launched_s": None}
     for t, text in lines:
         text = text.rstrip()
-        if m := READY.match(text):
+        if m := READY_LINE.match(text):
             name = re.sub(r" \(.*", "", m["name"])  # "learner (1 rank(s), ZeRO-1)" -> "learner"
             out["components"][name] = {"ready_at_s": round(t, 2), "step_s": float(m["secs"])}
         elif (m := ENGINE_UP.search(text)) and out["engine_up_s"] is None:
