@@ -48,11 +48,12 @@ seed, the source of its seed collapse; here every sample is its own request with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,9 +106,98 @@ def _lora_engine_kwargs(adapter: dict[str, Any] | None, keep: int) -> dict[str, 
     return {"enable_lora": True, "max_lora_rank": int(adapter["r"]), "max_loras": keep, "max_cpu_loras": keep + 1}
 
 
+# ---- building the engine-core process by fork (CPU) ------------------------------------------
+_FORKING_ENGINE_CORE = False  # True only while `engine_core_forked` builds an engine (read by the fork hook)
+
+
+def _close_inherited_sockets() -> None:
+    """In a process just forked from a Ray worker: close this process's copies of the sockets the
+    parent holds (Ray's raylet, GCS and object-store connections, the engine client's ZeroMQ
+    sockets). The parent's connections stay open (closing a copy sends nothing); without this the
+    raylet would not see the actor's own death until the engine core died too (it learns of a
+    worker's death when the worker's socket closes), and actor restarts would wait on it."""
+    global _FORKING_ENGINE_CORE
+    if not _FORKING_ENGINE_CORE:
+        return
+    _FORKING_ENGINE_CORE = False
+    import stat
+
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:  # the directory's own descriptor, closed since listing
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_sockets)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def engine_core_forked(enabled: bool) -> Iterator[bool]:
+    """Build an `AsyncLLM` whose engine-core process is forked from this one, not spawned.
+
+    vLLM spawns the engine core from a Ray actor (`_maybe_force_spawn`: "In a Ray actor and can only
+    be spawned") and on CPU (its platform sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` when the engine
+    config is created, for its executor's worker processes and OpenMP), and a spawned engine core
+    imports torch and vLLM again: 5-7 s of a 2-core machine, on the first step's critical path, while
+    the learner is starting beside it. A fork inherits the imported modules. Use it around the
+    engine's construction from an already created config (`AsyncLLM.from_vllm_config`). What makes a
+    fork from a Ray worker safe here:
+    - the child runs only vLLM's engine core (`EngineCoreProc.run_engine_core`, which installs its
+      own SIGTERM/SIGINT handlers) and never calls Ray: the CPU build with the model worker in the
+      same process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `engine_env`) has no executor processes;
+    - the child closes its copies of the parent's sockets at once (`_close_inherited_sockets`), so
+      Ray still sees the actor's own death when it dies;
+    - nothing CUDA: `enabled` must be False on GPU (a forked CUDA context is unusable; vLLM then
+      spawns, as it would anyway);
+    - no OpenMP thread team in the parent: a child forked after libgomp started its threads hangs in
+      its first parallel region. This process must run torch on one thread (`OMP_NUM_THREADS=1`,
+      which the job's runtime env sets for every actor; the model runs in the engine core, which
+      sets its own thread count); otherwise the engine core is spawned, with a log line saying why;
+    - the interpreter's own fork handling (import lock, logging locks) covers the Python side.
+    `enabled=False` changes nothing. Yields whether the engine core will be forked. Only the
+    engine-core process is forked: the environment variable is restored after the build."""
+    global _FORKING_ENGINE_CORE
+    if enabled and (threads := _torch_threads()) != 1:
+        log.info("vLLM engine core spawned, not forked: this process runs torch on %d threads (a fork "
+                 "after OpenMP has started its threads hangs in the child); OMP_NUM_THREADS=1 allows it", threads)
+        enabled = False
+    if not enabled:
+        yield False
+        return
+    import vllm.utils.system_utils as vllm_system
+
+    saved_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    saved_check = vllm_system.is_in_ray_actor
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    vllm_system.is_in_ray_actor = lambda: False  # else `get_mp_context` turns the fork back into a spawn
+    _FORKING_ENGINE_CORE = True
+    try:
+        yield True
+    finally:
+        _FORKING_ENGINE_CORE = False
+        vllm_system.is_in_ray_actor = saved_check
+        if saved_method is None:
+            os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+        else:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = saved_method
+
+
 class PolicyEngine:
     """An async vLLM engine for the policy. Create inside a running process (Ray actor or a
-    `__main__`-guarded script: vLLM spawns its engine process)."""
+    `__main__`-guarded script: vLLM starts its engine-core process, on CPU by fork when it can,
+    `engine_core_forked`)."""
 
     def __init__(self, model_path: str, cfg: Any, *, engine_id: str | None = None,
                  max_model_len: int | None = None, seed: int = 0, tokenizer_path: str | None = None,
@@ -169,7 +259,11 @@ class PolicyEngine:
         )
         # read by vLLM when it builds the engine config and the engine-core process (inherited)
         os.environ.update(engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process))
-        self.llm = AsyncLLM.from_engine_args(args)
+        in_process = not self.on_gpu and cfg.engine_in_process is not False  # engine_env's rule
+        vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
+        with engine_core_forked(in_process and getattr(cfg, "engine_fork", None) is not False) as forked:
+            self.llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+        self.engine_core_start = "forked" if forked else "spawned"  # reported in the actor's start line
         self._update_lock = asyncio.Lock()
         self.load_events: list[tuple[float, str]] = []  # (monotonic time, what): pause/resume/recovery
         self.fingerprint_mismatches = 0  # parameters found differing after loads, in total

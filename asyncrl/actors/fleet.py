@@ -108,8 +108,9 @@ class RolloutFleet:
 
         reports = ray.get([ref for _, ref in pending.values()], timeout=timeout)
         for report in reports:
+            core = f", engine core {report['engine_core']}" if report.get("engine_core") else ""
             say(f"  {report['actor_id']} on {report.get('host', '?')}: engine up in {report['start_s']:.1f}s "
-                f"(weights v{report['version']})")
+                f"(weights v{report['version']}{core})")
         self.actors.update({aid: actor for aid, (actor, _) in pending.items()})
         for aid in pending:
             self._launching.pop(aid, None)

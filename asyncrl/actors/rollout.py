@@ -149,7 +149,7 @@ class RolloutWorker:
         import ray
 
         return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version,
-                "host": ray.util.get_node_ip_address()}
+                "host": ray.util.get_node_ip_address(), "engine_core": self.engine.engine_core_start}
 
     def _vl_context(self) -> Any:
         """A `VLContext` for a Qwen-VL policy (processor chat, placeholder ban, image token id), else

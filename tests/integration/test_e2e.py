@@ -88,6 +88,8 @@ def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
     assert summary["steps"] == 4 and summary["wall_s"] > 0
     assert list((run / "plots").glob("*.png"))
     assert "asyncrl run summary" in proc.stdout
+    # CPU engines: vLLM's engine core forked from the rollout actor, not spawned (`engine_core_forked`)
+    assert proc.stdout.count("engine core forked") == 2, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("path", ["extension", pytest.param("native", marks=pytest.mark.slow)])
