@@ -16,6 +16,7 @@ at once. A component that dies during training: one line naming it, a checkpoint
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -213,7 +214,9 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
             topo.shutdown()
         (run_dir / "job.json").unlink(missing_ok=True)
         if ray.is_initialized():
+            t0 = time.monotonic()
             ray.shutdown()
+            logging.getLogger(__name__).info("ray.shutdown took %.2fs", time.monotonic() - t0)
 
 
 def _load_rows_while_ray_starts(cfg: Config) -> threading.Thread:

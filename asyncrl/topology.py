@@ -14,8 +14,12 @@ to a buffer that is gone). `describe_failure` names the component behind an erro
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.startup import StartupError, root_cause, say, step_timer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -54,12 +60,16 @@ class Topology:
     hosts: dict[str, str] = field(default_factory=dict)  # component -> node address (error messages)
 
     def shutdown(self) -> None:
+        """Stop every component, the fleet first; how long each took goes to the driver's log."""
         import ray
 
+        took: dict[str, float] = {}
         if self.fleet is not None:
-            self.fleet.shutdown()
+            with _timed(took, "fleet"):
+                self.fleet.shutdown()
         if self.learner is not None:
-            self.learner.shutdown()
+            with _timed(took, "learner"):
+                self.learner.shutdown()
             self.learner = None
         if self.learner_placement is not None:
             from ray.util.placement_group import remove_placement_group
@@ -70,18 +80,30 @@ class Topology:
             self.weight_store.shutdown()
             self.weight_store = None
         if self.verifier is not None:
-            _stop_serve()
+            with _timed(took, "verifier service"):
+                _stop_serve()
             self.verifier = None
         if self.buffer is not None:
-            try:
-                ray.get(self.buffer.stop.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - tearing down
-                pass
-            ray.kill(self.buffer)
+            with _timed(took, "replay buffer"):
+                try:
+                    ray.get(self.buffer.stop.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - tearing down
+                    pass
+                ray.kill(self.buffer)
             self.buffer = None
         if self.coordinator is not None:
             ray.kill(self.coordinator)
             self.coordinator = None
+        log.info("shutdown took %s", ", ".join(f"{name} {secs:.2f}s" for name, secs in took.items()) or "nothing")
+
+
+@contextlib.contextmanager
+def _timed(took: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        took[name] = time.monotonic() - t0
 
 
 def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:

@@ -91,8 +91,12 @@ class VLLMVerifier(VerifierReplica):
         args = verifier_engine_args(c, tok_path, on_gpu)
         from asyncrl.config import engine_env
 
+        from asyncrl.actors.engine import engine_core_forked
+
         os.environ.update(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
-        self.engine = AsyncLLM.from_engine_args(args)
+        vllm_config = args.create_engine_config()
+        with engine_core_forked(not on_gpu):  # CPU: the engine core forked from the replica, not spawned
+            self.engine = AsyncLLM.from_vllm_config(vllm_config)
 
     def __del__(self) -> None:
         """Serve calls this on graceful replica shutdown (after a swap): free the engine now, so
