@@ -175,18 +175,17 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
     topo = None
     try:
         resume = find_resume(cfg, run_dir)
-        rows = _load_rows_while_ray_starts(cfg)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
+        rows = _load_rows_while_ray_starts(cfg)
         with step_timer("preflight (resources, nodes, addresses)"):
             preflight(cfg)
-        rows.join()  # the data step takes the rows it loaded (or fails there with the file's error)
         (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
         stop.install()  # after ray.init, which installs its own SIGTERM handler in the driver
         from asyncrl.topology import build_topology
         from asyncrl.trainer import Trainer
 
-        topo = build_topology(cfg, run_dir, resume)
+        topo = build_topology(cfg, run_dir, resume, rows)  # its data step takes the rows (or fails with the file's error)
         (run_dir / "job.json").write_text(json.dumps({
             "ray_address": ray.get_runtime_context().gcs_address, "namespace": namespace,
             "coordinator": "coordinator", "pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
@@ -221,11 +220,20 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
 
 def _load_rows_while_ray_starts(cfg: Config) -> threading.Thread:
     """The training rows (datasets, the tokenizer of the overlong filter) loaded in a thread while
-    the driver waits for Ray's processes to come up and for the preflight probes; the data step of
-    the topology then takes them (asyncrl.data.preload_training_rows)."""
+    the driver waits for Ray's processes to come up and starts the learner and the engines; the
+    data step of the topology then takes them (asyncrl.data.preload_training_rows). The thread runs at the lowest
+    CPU priority (Linux: niceness is per thread): Ray's own processes, which everything else waits
+    for, start first on a small machine; the rows use what CPU they leave."""
     from asyncrl.data import preload_training_rows
 
-    thread = threading.Thread(target=preload_training_rows, args=(cfg,), name="asyncrl-rows", daemon=True)
+    def preload() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):  # not Linux: the thread runs at the driver's priority
+            pass
+        preload_training_rows(cfg)
+
+    thread = threading.Thread(target=preload, name="asyncrl-rows", daemon=True)
     thread.start()
     return thread
 

@@ -1,13 +1,15 @@
 """The components of a running job: `build_topology` starts them, `Topology` holds them.
 
 Read `build_topology` top to bottom to see every component of a job and the order they start in:
-the weight store and the verifier service (in the background, from the first moment), data,
-coordinator and replay buffer (their processes started together), the learner's placement
-(reserved before any engine), rollout fleet (launched, engines building), coordinator and
-replay buffer (waited for), weight store (waited for), learner group,
+the verifier service (in the background, from the first moment), replay buffer (its process
+started), the learner's placement (reserved before any engine), learner group (ranks building in
+the background), rollout fleet (launched, engines building), weight store (in the background),
+data (the rows the launcher loaded while Ray started), coordinator (its process started),
+coordinator and replay buffer (waited for), weight store (waited for), learner group (waited for),
 weight sender (publishing version 0), verifier service (waited for), rollout fleet (joined) and, on
-resume, a first weight broadcast. Each step is timed and a step that cannot start fails
-the launch with its name (asyncrl.startup.StartupError), with everything already started torn
+resume, a first weight broadcast: what the first step waits for (the learner, the engines) is asked
+of Ray first. Each step is timed and a step that cannot start fails the launch with its name
+(asyncrl.startup.StartupError), with everything already started torn
 down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
 to a buffer that is gone). `describe_failure` names the component behind an error.
 """
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from threading import Thread
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
@@ -106,8 +109,10 @@ def _timed(took: dict[str, float], name: str) -> Iterator[None]:
         took[name] = time.monotonic() - t0
 
 
-def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
-    """Every component of a job, in start order. Each step is timed and fails with its name."""
+def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading: Thread | None = None) -> Topology:
+    """Every component of a job, in start order. Each step is timed and fails with its name.
+    `rows_loading`: the launcher's thread loading the training rows (`data.preload_training_rows`),
+    waited for by the data step."""
     import ray
 
     from asyncrl.actors.fleet import RolloutFleet
@@ -122,14 +127,17 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
     topo = Topology(cfg, run_dir, namespace)
     timeout = cfg.cluster.startup_timeout_s
     verifier_step = f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"
-    # Services that nothing needs before the engines are launched start at once, in the background,
-    # while the driver loads the data and starts the coordinator and the buffer (each is a process
-    # start that mostly waits); their steps below only wait for them.
-    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="asyncrl-start")
-    pending: dict[str, Future] = {"weight store": background.submit(start_weight_store, namespace)}
+    # Components whose start is mostly waiting (a process start, a deployment) start in the
+    # background; their steps below only wait for them. Ray starts worker processes a few at a time
+    # (at most one per core at once), in the order they were asked for: the learner's ranks and the
+    # engines, what the first step waits for, are asked for before the coordinator and the weight
+    # store. The verifier starts first, so that a verifier that cannot work stops the launch
+    # before any engine is built (`fail_early`).
+    background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="asyncrl-start")
+    pending: dict[str, Future] = {}
     if cfg.rollout.guide.enable:
         pending["verifier"] = background.submit(_deploy_and_probe, cfg)
-    say(f"starting {' and '.join(pending)} in the background ...")
+        say("starting verifier service in the background ...")
 
     def fail_early() -> None:
         """A background start that has already failed (an unreachable HTTP verifier, say) stops the
@@ -139,41 +147,48 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
                 pending["verifier"].result()
 
     try:
-        with step_timer("data"):
-            rows = load_training_rows(cfg)
-            cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
-        fail_early()
         # Stateful services survive their own death: Ray restarts them (and retries the calls made
         # to them); each reads its state back from `state/` (on the driver's node, where they run).
         state_dir = run_dir / "state"
         state_dir.mkdir(exist_ok=True)
         restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
                         scheduling_strategy=_on_this_node())
-        # Created now (handles only), so their processes start while the learner's placement is
-        # reserved and the engines build; their steps below wait for them.
+        # Created now (a handle: the rollout actors are given it), so its process starts while the
+        # learner's placement is reserved and the engines build; its step below waits for it.
         topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
             cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
-        topo.rows_ref = ray.put(rows)  # held by the driver for the job's life: a restarted coordinator is built from it
-        topo.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
-            name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
-            resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
-            topo.rows_ref, cfg.data.model_dump_json(),
-            stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
-            buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
         # the nodes the engines left (ZeRO collectives then cross the inter-node link).
         with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
             topo.learner_placement = reserve_placement(cfg)
+        # The learner's ranks (process start, model, DeepSpeed engine) build from now on too: they
+        # need nothing of the coordinator, the buffer or the weight store (their step waits).
+        pending["learner"] = background.submit(LearnerGroup, cfg, placement=topo.learner_placement)
         fail_early()
         # The engine builds (the longest step: what the first step waits for) start now and run
         # while the coordinator, the buffer, the weight store and the learner start; an actor asks
         # the buffer for its address once its engine is up. Not on resume: an actor started then
         # must see the restored version (and its weights).
-        topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address="",
-                                  namespace=namespace, coordinator=topo.coordinator, buffer=topo.buffer, learner=None)
+        topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address="",  # coordinator: below
+                                  namespace=namespace, coordinator=None, buffer=topo.buffer, learner=None)
         launched = topo.fleet.launch(cfg.rollout.num_actors) if resume is None else None
         if launched is not None:
             say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the other services start")
+        pending["weight store"] = background.submit(start_weight_store, namespace)
+        # The rows are needed by the coordinator only: loaded (the tokenizer of the overlong filter)
+        # while Ray started, waited for once the learner and the engines are on their way.
+        with step_timer("data"):
+            if rows_loading is not None:
+                rows_loading.join()
+            rows = load_training_rows(cfg)
+            cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
+        topo.rows_ref = ray.put(rows)  # held by the driver for the job's life: a restarted coordinator is built from it
+        topo.coordinator = topo.fleet.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
+            name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
+            resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
+            topo.rows_ref, cfg.data.model_dump_json(),
+            stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
+            buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
         with step_timer("coordinator"):
             topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
         with step_timer("replay buffer"):
@@ -191,7 +206,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None) -> Topology:
             topo.weight_store = pending["weight store"].result(timeout=timeout)
             del pending["weight store"]
         with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
-            topo.learner = LearnerGroup(cfg, placement=topo.learner_placement)
+            topo.learner = pending["learner"].result(timeout=timeout)
+            del pending["learner"]
             topo.learner_placement = None  # the learner group owns it now
             topo.fleet.learner = topo.learner
             if resume:
@@ -248,6 +264,8 @@ def _collect_started(pending: dict[str, Future], topo: Topology) -> None:
             continue
         if what == "weight store":
             topo.weight_store = started
+        elif what == "learner":
+            topo.learner, topo.learner_placement = started, None  # the group's shutdown removes its placement
         else:
             topo.verifier = started
 

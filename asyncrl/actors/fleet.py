@@ -65,12 +65,12 @@ class LearnerWeights(Protocol):
 
 class RolloutFleet:
     def __init__(self, cfg: Config, actor_cls: ActorClass, *, buffer_address: str, namespace: str,
-                 coordinator: ActorHandle, buffer: ActorHandle, learner: LearnerWeights | None) -> None:
+                 coordinator: ActorHandle | None, buffer: ActorHandle, learner: LearnerWeights | None) -> None:
         self.cfg = cfg
         self.actor_cls = actor_cls
         self.buffer_address = buffer_address
         self.namespace = namespace
-        self.coordinator = coordinator
+        self.coordinator = coordinator  # may be set after `launch` too
         self.buffer = buffer
         self.learner = learner  # may be set after `launch` (start-up overlaps the engine builds)
         self.actors: dict[str, ActorHandle] = {}

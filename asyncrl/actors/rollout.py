@@ -134,7 +134,7 @@ class RolloutWorker:
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         self.reward_fn = load_reward(cfg.reward)
         # the job's services, which may have started while the engine was being built
-        self.coordinator = ray.get_actor("coordinator", namespace=self.namespace)
+        self.coordinator = await _named_actor("coordinator", self.namespace, cfg.cluster.startup_timeout_s)
         if not self.buffer_address:
             self.buffer_address = await self.buffer_host.start.remote()  # idempotent: its address
         self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
@@ -146,7 +146,6 @@ class RolloutWorker:
         state = await self.coordinator.get_state.remote()
         if state["version"] > 0:  # restarted or late joiner: newest weights before generating
             await self.engine.load_weights_from_store(min_version=0)
-        import ray
 
         return {"actor_id": self.actor_id, "start_s": time.time() - t0, "version": self.engine.version,
                 "host": ray.util.get_node_ip_address(), "engine_core": self.engine.engine_core_start}
@@ -414,6 +413,21 @@ class RolloutWorker:
         if self.pushes is not None:
             self.pushes.close()
         self._zmq.shutdown(wait=False)
+
+
+async def _named_actor(name: str, namespace: str, timeout_s: float) -> Any:
+    """A named actor of the job, waited for: the driver creates the coordinator while the engines
+    build (after the training rows are loaded), so an engine that is up first asks again."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:  # not created yet
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 def lora_engine_kwargs(cfg: Config) -> dict[str, Any]:

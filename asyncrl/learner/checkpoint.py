@@ -35,10 +35,10 @@ import shutil
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # numpy and torch are imported where used: the launcher (resume, preflight's disk row) needs none
+    import torch
 
 __all__ = ["step_dir", "begin", "commit", "atomic_checkpoint", "latest_checkpoint", "list_checkpoints",
            "write_json", "read_json", "rng_state", "set_rng_state", "write_hf_export", "TRAINER_STATE",
@@ -158,6 +158,9 @@ def read_json(path: str | os.PathLike[str]) -> Any:
 # ------------------------------------------------------------------------------------------ RNG
 def rng_state() -> dict[str, Any]:
     """JSON-able RNG state of python, numpy and torch (and CUDA when present)."""
+    import numpy as np
+    import torch
+
     py = random.getstate()
     np_state = np.random.get_state()
     state: dict[str, Any] = {
@@ -171,6 +174,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -187,6 +193,7 @@ def write_hf_export(out: str | os.PathLike[str], buckets: Iterable[list[tuple[st
     """Write safetensors shards (+ index when > 1) with config and tokenizer from full-tensor
     buckets (as `LearnerWorker.export_named_tensors` yields); tensors are copied to CPU one shard
     at a time. Returns the tensor names written."""
+
     from safetensors.torch import save_file
 
     out = Path(out)

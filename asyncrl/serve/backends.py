@@ -89,9 +89,8 @@ class VLLMVerifier(VerifierReplica):
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
         args = verifier_engine_args(c, tok_path, on_gpu)
-        from asyncrl.config import engine_env
-
         from asyncrl.actors.engine import engine_core_forked
+        from asyncrl.config import engine_env
 
         os.environ.update(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
         vllm_config = args.create_engine_config()

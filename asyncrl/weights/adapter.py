@@ -26,9 +26,10 @@ import shutil
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch only in annotations: the launcher's preflight (sync_kind) must not import it
+    import torch
 
 log = logging.getLogger(__name__)
 

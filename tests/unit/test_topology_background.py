@@ -43,3 +43,19 @@ def test_a_failed_verifier_start_stops_serve_and_a_failed_store_is_skipped(monke
                                "verifier": _done(error=RuntimeError("probe"))}, topo)
     # the probe failed after Serve may have started: stopped here, since the topology holds no handle
     assert topo.weight_store is None and topo.verifier is None and stopped == [True]
+
+
+def test_a_learner_group_built_in_the_background_is_handed_over_with_its_placement() -> None:
+    """The learner group builds from the placement step on; after a later step fails, the group
+    (if it was built) is the topology's to shut down, and it owns its placement group (removed by
+    its own shutdown, not a second time); a group that failed to build leaves the placement to the
+    topology."""
+    topo = _topo()
+    topo.learner_placement = placement = object()
+    group = object()
+    topology._collect_started({"learner": _done(group)}, topo)
+    assert topo.learner is group and topo.learner_placement is None
+    topo = _topo()
+    topo.learner_placement = placement
+    topology._collect_started({"learner": _done(error=RuntimeError("deepspeed"))}, topo)
+    assert topo.learner is None and topo.learner_placement is placement
