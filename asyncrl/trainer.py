@@ -98,9 +98,10 @@ class Trainer:
             shown.step(self.step, metrics)
             self.after_step(metrics)
         shown.close()
-        # Graceful end: no new groups; what is in flight is abandoned and re-issued on resume.
+        # Graceful end: no new groups; what is in flight is abandoned (not waited for: nothing would
+        # train it) and re-issued on resume.
         ray.get(self.topo.coordinator.set_stopping.remote())
-        self.fleet.stop_loops()
+        self.fleet.stop_loops(abandon_in_flight=True)
         self.checkpoint()
         if cfg.trainer.eval_before_after and cfg.data.test_files and not self.stop.requested:
             self.summary["after"] = self.evaluate("test", tag="after")

@@ -205,13 +205,18 @@ class PolicyEngine:
                  store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
                  version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
                  limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3,
-                 worker_extension: str = EXTENSION) -> None:
+                 worker_extension: str = EXTENSION, fork_engine_core: bool = False) -> None:
         """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
         (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
         every weight load also resets vLLM's multimodal and encoder caches. `lora_adapter`: the
         `adapter_config.json` of a LoRA policy synced as adapters (`actors.lora.AdapterSlots`, at
         most `lora_keep` versions loaded); versions then arrive as adapters, not weights.
-        `worker_extension`: vLLM's `worker_extension_cls`, `EXTENSION` or a subclass of it (tests)."""
+        `worker_extension`: vLLM's `worker_extension_cls`, `EXTENSION` or a subclass of it (tests).
+        `fork_engine_core`: on CPU, fork vLLM's engine-core process from this one instead of spawning
+        it (`engine_core_forked`; `rollout.engine_fork` can turn it off). Only for a process that does
+        nothing but own the engine (the rollout actor): the child inherits every module's state of
+        the parent, e.g. the weight groups of a test process that also ran the sender side (a
+        native-path round then hung in the engine; reproduced in tests/integration/test_engine.py)."""
         import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -261,7 +266,8 @@ class PolicyEngine:
         os.environ.update(engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process))
         in_process = not self.on_gpu and cfg.engine_in_process is not False  # engine_env's rule
         vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
-        with engine_core_forked(in_process and getattr(cfg, "engine_fork", None) is not False) as forked:
+        fork = fork_engine_core and in_process and getattr(cfg, "engine_fork", None) is not False
+        with engine_core_forked(fork) as forked:
             self.llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.engine_core_start = "forked" if forked else "spawned"  # reported in the actor's start line
         self._update_lock = asyncio.Lock()

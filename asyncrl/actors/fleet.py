@@ -158,15 +158,17 @@ class RolloutFleet:
         for aid in list(self.actors) if actor_ids is None else actor_ids:
             self.loops[aid] = self.actors[aid].run.remote()
 
-    def stop_loops(self, actor_ids: list[str] | None = None, timeout: float = 60.0) -> None:
-        """Ask the loops of `actor_ids` (None: all) to stop and wait for them to end."""
+    def stop_loops(self, actor_ids: list[str] | None = None, timeout: float = 60.0, *,
+                   abandon_in_flight: bool = False) -> None:
+        """Ask the loops of `actor_ids` (None: all) to stop and wait for them to end; their groups
+        in flight finish first, or are abandoned (prompts re-issued) with `abandon_in_flight`."""
         import ray
 
         ids = list(self.loops) if actor_ids is None else actor_ids
         for aid in ids:
             actor = self.actors.get(aid)
             if actor is not None:
-                actor.stop.remote()
+                actor.stop.remote(abandon_in_flight)
         refs = [self.loops.pop(aid) for aid in ids if aid in self.loops]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout)

@@ -77,6 +77,7 @@ class RolloutWorker:
         self.pushes: Any = None  # replay.PushWindow (set by start)
         self._zmq = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer")  # zmq sockets: one thread
         self._running = False
+        self._drain_s = 30.0  # how long a stopped loop lets its groups in flight finish
         self._tasks: set[asyncio.Task] = set()
         self._paused_for_weights = False
         self._requests = 0
@@ -123,7 +124,8 @@ class RolloutWorker:
         vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}
         self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
-                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, **vl_kw, **lora_engine_kwargs(cfg))
+                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, fork_engine_core=True,
+                                   **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
         # The engine is built at Ray's niceness: it is what the first step waits for (at 19 it got
         # ~30 % of a core against the learner's start, at 15 like the learner). Generating, it
@@ -204,7 +206,7 @@ class RolloutWorker:
             task = asyncio.create_task(self._group(prompt, ticket))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        await self._drain()
+        await self._drain(self._drain_s)
         return dict(self._stats)
 
     async def _idle(self, seconds: float) -> None:
@@ -224,7 +226,11 @@ class RolloutWorker:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
-    def stop(self) -> None:
+    def stop(self, abandon_in_flight: bool = False) -> None:
+        """End the loop. Its groups in flight finish first (up to 30 s), or with `abandon_in_flight`
+        are cancelled at once: each releases its admission ticket and the coordinator re-issues its
+        prompt (the job's end: nothing would train them)."""
+        self._drain_s = 0.0 if abandon_in_flight else 30.0
         self._running = False
 
     # ---------------------------------------------------------------- one group

@@ -152,7 +152,8 @@ class RolloutConfig(Section):
     engine_fork: bool | None = None
     """vLLM CPU build: fork the engine-core process from the rollout actor instead of spawning it (a
     spawned one imports torch and vLLM again: 5-7 s of the first step's wait on 2 cores); None = True
-    on CPU with the model worker in-process. Never on GPU (`actors.engine.engine_core_forked`)."""
+    on CPU with the model worker in-process. Never on GPU, never for engines built outside a rollout
+    actor (`actors.engine.engine_core_forked`)."""
     max_model_len: int | None = None
     """Engine context length; None = derived (prompt + turns x response)."""
     max_num_batched_tokens: int = Field(8192, gt=0)
