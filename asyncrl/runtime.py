@@ -177,7 +177,7 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
         resume = find_resume(cfg, run_dir)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
-        rows = _load_rows_while_ray_starts(cfg)
+        rows = _load_rows_in_background(cfg)
         with step_timer("preflight (resources, nodes, addresses)"):
             preflight(cfg)
         (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
@@ -218,17 +218,19 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
             logging.getLogger(__name__).info("ray.shutdown took %.2fs", time.monotonic() - t0)
 
 
-def _load_rows_while_ray_starts(cfg: Config) -> threading.Thread:
-    """The training rows (datasets, the tokenizer of the overlong filter) loaded in a thread while
-    the driver waits for Ray's processes to come up and starts the learner and the engines; the
-    data step of the topology then takes them (asyncrl.data.preload_training_rows). The thread runs at the lowest
-    CPU priority (Linux: niceness is per thread): Ray's own processes, which everything else waits
-    for, start first on a small machine; the rows use what CPU they leave."""
+def _load_rows_in_background(cfg: Config) -> threading.Thread:
+    """The training rows (datasets, the tokenizer of the overlong filter) loaded in a thread, started
+    once Ray is up (beside `ray.init` it slowed Ray's own start by 2-3 s on 2 cores), while the driver
+    starts the learner and the engines; the data step of the topology then takes them
+    (asyncrl.data.preload_training_rows). The thread runs at the niceness of Ray's workers (15;
+    Linux: niceness is per thread): at the driver's 0 it would take the cores from the engine and
+    learner builds, at 19 it starved behind them and the coordinator, which needs the rows and
+    which the engines need next, came late."""
     from asyncrl.data import preload_training_rows
 
     def preload() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
         except (AttributeError, OSError):  # not Linux: the thread runs at the driver's priority
             pass
         preload_training_rows(cfg)

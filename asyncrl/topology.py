@@ -4,7 +4,7 @@ Read `build_topology` top to bottom to see every component of a job and the orde
 the verifier service (in the background, from the first moment), replay buffer (its process
 started), the learner's placement (reserved before any engine), learner group (ranks building in
 the background), rollout fleet (launched, engines building), weight store (in the background),
-data (the rows the launcher loaded while Ray started), coordinator (its process started),
+data (the rows the launcher loads in the background), coordinator (its process started),
 coordinator and replay buffer (waited for), weight store (waited for), learner group (waited for),
 weight sender (publishing version 0), verifier service (waited for), rollout fleet (joined) and, on
 resume, a first weight broadcast: what the first step waits for (the learner, the engines) is asked
@@ -176,7 +176,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
             say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the other services start")
         pending["weight store"] = background.submit(start_weight_store, namespace)
         # The rows are needed by the coordinator only: loaded (the tokenizer of the overlong filter)
-        # while Ray started, waited for once the learner and the engines are on their way.
+        # in a thread of the launcher since Ray came up, waited for once the learner and the engines are on their way.
         with step_timer("data"):
             if rows_loading is not None:
                 rows_loading.join()

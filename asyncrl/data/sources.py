@@ -189,7 +189,7 @@ def load_training_rows(cfg: Config) -> list[dict[str, Any]]:
 
 
 def preload_training_rows(cfg: Config) -> None:
-    """Load the job's training rows ahead of its data step (the launcher does it while Ray starts)
+    """Load the job's training rows ahead of its data step (the launcher does it while the learner and the engines start)
     and keep them for that step's `load_training_rows`. Rows already kept are not read again. A
     file that cannot be loaded keeps nothing: the data step then loads it again and fails with
     the error naming the file and row."""

@@ -184,7 +184,7 @@ def test_load_training_rows_applies_the_overlong_filter(tmp_path: Path, monkeypa
 
 
 def test_preloaded_rows_are_handed_once_and_a_bad_file_fails_in_the_data_step(tmp_path: Path) -> None:
-    """The launcher loads the rows while Ray starts (`preload_training_rows`); the data step takes
+    """The launcher loads the rows in the background (`preload_training_rows`); the data step takes
     them without reading the file again, and a file that cannot load fails there, by name."""
     from asyncrl.config import Config
 
