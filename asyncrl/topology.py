@@ -9,9 +9,9 @@ coordinator and replay buffer (waited for), weight store (waited for), learner g
 weight sender (publishing version 0), verifier service (waited for), rollout fleet (joined) and, on
 resume, a first weight broadcast: what the first step waits for (the learner, the engines) is asked
 of Ray first. Each step is timed and a step that cannot start fails the launch with its name
-(asyncrl.startup.StartupError), with everything already started torn
-down. `Topology.shutdown` stops them in reverse start order (the fleet first, so no actor pushes
-to a buffer that is gone). `describe_failure` names the component behind an error.
+(asyncrl.startup.StartupError), with everything already started torn down. `Topology.shutdown`
+stops them in reverse start order (the fleet first, so no actor pushes to a buffer that is gone).
+`describe_failure` names the component behind an error.
 """
 
 from __future__ import annotations
