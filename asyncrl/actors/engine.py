@@ -263,8 +263,9 @@ class PolicyEngine:
             kv_cache_memory_bytes=None if self.on_gpu else int(cfg.cpu_kvcache_gb * 2**30),
         )
         # read by vLLM when it builds the engine config and the engine-core process (inherited)
-        os.environ.update(engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process))
-        in_process = not self.on_gpu and cfg.engine_in_process is not False  # engine_env's rule
+        env = engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process)
+        os.environ.update(env)
+        in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # CPU, model worker in the engine core
         vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
         fork = fork_engine_core and in_process and getattr(cfg, "engine_fork", None) is not False
         with engine_core_forked(fork) as forked:
