@@ -248,3 +248,16 @@ def test_an_http_verifier_nobody_serves_is_refused_before_ray() -> None:
         [row] = check_http_verifier(cfg, {})
     assert row.ok and row.result == f"127.0.0.1:{port} accepts connections"
     assert check_http_verifier(load_config("configs/quickstart.yaml", []), {}) == []  # rule back-end: nothing to do
+
+
+def test_the_launchers_model_preflight_imports_neither_torch_nor_transformers() -> None:
+    """`check_model` runs in the launcher before Ray starts: importing torch there cost 1.7 s of every
+    launch (the disk row's helpers in learner.checkpoint and weights.adapter imported it at module
+    level). A fresh interpreter runs it on the quick start and reports what it imported."""
+    code = ("import sys; from asyncrl.config import load_config; from asyncrl.preflight import check_model; "
+            "check_model(load_config('configs/quickstart.yaml', [])); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
