@@ -13,11 +13,10 @@ engines keep fetching from it. Ray's serialization is fine here: the copy never 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from asyncrl.weights.wire import dtype_from_name
+if TYPE_CHECKING:
+    import torch
 
 STORE_NAME = "WeightStore"
 
@@ -81,6 +80,8 @@ def _page_locked(nbytes: int, pin: bool) -> torch.Tensor:
     """`nbytes` of host memory, page-locked with cudaHostRegister when `pin`: exactly that size.
     (`pin_memory=True` goes through torch's caching host allocator, which rounds every block up
     to a power of two and keeps it pinned for the life of the process.)"""
+    import torch
+
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if pin and nbytes:
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
@@ -90,6 +91,8 @@ def _page_locked(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 def _release(buf: torch.Tensor | None, pin: bool) -> None:
+    import torch
+
     if buf is not None and pin and buf.numel():
         torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
@@ -153,6 +156,7 @@ def publish_weights(buckets: list[tuple[dict[str, Any], torch.Tensor]], version:
                     name: str = STORE_NAME) -> None:
     """Put a CPU copy of packed buckets into the object store and register it under `version`."""
     import ray
+    import torch
 
     store = find_weight_store(name)
     if store is None:
@@ -167,6 +171,9 @@ def fetch_weights(name: str = STORE_NAME, min_version: int = -1, timeout_s: floa
     """The newest published buckets `(version, [(manifest, flat)])`, or None if nothing newer
     than `min_version` has been published (or no store runs)."""
     import ray
+    import torch
+
+    from asyncrl.weights.wire import dtype_from_name
 
     store = find_weight_store(name)
     if store is None:

@@ -45,3 +45,17 @@ def test_the_check_sees_function_level_and_from_imports(tmp_path):
     planted.write_text("def f():\n    from asyncrl import learner\n    import asyncrl.actors.engine\n")
     mods = [m for _, m in imported_modules(planted)]
     assert "asyncrl.learner" in mods and "asyncrl.actors.engine" in mods
+
+
+def test_the_weight_store_actor_imports_no_torch():
+    """The `WeightStore` actor's process imports only the module of its class: with torch at that
+    module's top it spent ~2.4 CPU-s of every launch's start-up importing torch for a class that holds an
+    int and an ObjectRef. A fresh interpreter imports the module and reports what came with it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import asyncrl.weights.store; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
