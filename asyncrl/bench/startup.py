@@ -10,7 +10,11 @@ seconds since the process was started; from the launcher's own step lines (`star
   printed when it has finished, so this includes it);
 - for every start-up component, when it was ready (seconds since launch) and its own step time;
 - `engine_up_s`: the rollout actor's own report of its engine build;
-- `launch_to_exit_s`.
+- `launch_to_exit_s`;
+- `cpu_s`: CPU seconds (user + system) each process of the job had used when the first step's line
+  came, by role (the launcher, each Ray actor by class, Ray's own daemons, the engine core) and in
+  total: on a machine with few cores the sum, not the wall clock of any one part, sets the floor.
+  Processes that ended before the first step are not counted.
 
 The machine should be otherwise idle (2 cores here: anything else running moves every figure).
 Results: `<output>/startup-<time>/startup.json` and one log per launch beside it.
@@ -59,21 +63,62 @@ def parse_console(lines: list[tuple[float, str]]) -> dict[str, Any]:
     return out
 
 
+def _role(proc: Any) -> str:
+    """A readable role for one process of the job: a Ray worker's title (`ray::RolloutWorker`), a
+    Python daemon's script (`log_monitor.py`), else the executable's name (`raylet`)."""
+    try:
+        cmd = proc.cmdline()
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return proc.name()
+    if cmd and cmd[0].startswith("ray::"):
+        return re.split(r"[.\s]", cmd[0], maxsplit=1)[0]
+    if cmd and Path(cmd[0]).name.startswith("python"):
+        script = next((a for a in cmd[1:] if a.endswith(".py")), None)
+        if script:
+            return Path(script).name
+        if "-m" in cmd[:-1]:
+            return cmd[cmd.index("-m") + 1]
+    return proc.name()
+
+
+def cpu_by_role(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, children not yet reaped excluded) of `pid` and every process
+    below it, summed by `_role`, largest first, with the total under `total`."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out: dict[str, float] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            role = "launcher" if proc.pid == pid else _role(proc)
+        except psutil.Error:
+            continue
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    out = dict(sorted(((k, round(v, 2)) for k, v in out.items()), key=lambda kv: -kv[1]))
+    out["total"] = round(sum(out.values()), 2)
+    return out
+
+
 def _launch(cfg_path: Path, overrides: list[str], log: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-u", "-m", "asyncrl.launch", "--config", str(cfg_path), *overrides]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[tuple[float, str]] = []
+    cpu: dict[str, float] | None = None
     with open(log, "w") as f:
         assert proc.stdout is not None
         for text in proc.stdout:
             t = time.monotonic() - t0
             lines.append((t, text))
             f.write(f"{t:8.2f} {text}")
+            if cpu is None and STEP_ONE.match(text):
+                cpu = cpu_by_role(proc.pid)
     rc = proc.wait()
     result = parse_console(lines)
     result["launch_to_exit_s"] = round(time.monotonic() - t0, 2)
     result["rc"] = rc
+    result["cpu_s"] = cpu or {}
     if rc != 0 or result["first_step_s"] is None:
         tail = "".join(text for _, text in lines[-25:])
         raise RuntimeError(f"launch exited {rc} without a first step (log {log}):\n{tail}")
@@ -93,6 +138,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "engine_up_s": med([r["engine_up_s"] for r in runs]),
         "fleet_launched_s": med([r["fleet_launched_s"] for r in runs]),
         "launch_to_exit_s": med([r["launch_to_exit_s"] for r in runs]),
+        "cpu_s": {n: med([r.get("cpu_s", {}).get(n) for r in runs])
+                  for n in dict.fromkeys(n for r in runs for n in r.get("cpu_s", {}))},
         "components": {n: {"ready_at_s": med([r["components"].get(n, {}).get("ready_at_s") for r in runs]),
                            "step_s": med([r["components"].get(n, {}).get("step_s") for r in runs])}
                        for n in names},
@@ -135,6 +182,7 @@ def run(cfg: Config, args: Any) -> dict[str, Any]:
                 ("launch -> exit", summary["launch_to_exit_s"])]
         rows += [(f"  {n}: ready at / its step", f"{c['ready_at_s']} / {c['step_s']}")
                  for n, c in summary["components"].items()]
+        rows += [(f"  CPU-s by the first step: {n}", c) for n, c in summary["cpu_s"].items()]
         print_table(f"start-up, {variant} (seconds since launch, median of {launches})", rows)
     (root / "startup.json").write_text(json.dumps(result, indent=2))
     print(f"results: {root / 'startup.json'}")

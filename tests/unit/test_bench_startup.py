@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from asyncrl.bench.startup import parse_console, summarize
+import subprocess
+import sys
+import time
+
+from asyncrl.bench.startup import cpu_by_role, parse_console, summarize
 
 LAUNCH = [  # (seconds since launch, console line), as the launcher prints them (abridged)
     (0.4, "[asyncrl] starting ray (embedded) ...\n"),
@@ -36,3 +40,27 @@ def test_launches_are_summarized_by_their_medians():
     assert s["first_step_s"] == 24.3 and s["first_step_each_s"] == [24.3, 26.3, 24.3]
     assert s["launch_to_exit_s"] == 31.0
     assert s["components"]["learner"]["ready_at_s"] == 12.5  # median of the two launches that printed it
+
+
+def test_cpu_is_summed_by_role_over_the_whole_process_tree():
+    """A parent spinning ~0.3 CPU-s with two children of one role spinning too: the children are
+    found below it (recursively), named by their script, summed together, and the total adds up."""
+    spin = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    parent = ("import subprocess, sys, time\n"
+              f"for _ in range(2): subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+              "t = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        time.sleep(3.0)
+        got = cpu_by_role(proc.pid)
+    finally:
+        for child in __import__("psutil").Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+    assert got["launcher"] >= 0.3
+    (child_role,) = set(got) - {"launcher", "total"}  # both children under one role
+    assert got[child_role] >= 0.6
+    assert abs(got["total"] - got["launcher"] - got[child_role]) < 0.02
+    runs = [dict(parse_console(LAUNCH), launch_to_exit_s=30.0, cpu_s={"raylet": 1.0, "total": 5.0}),
+            dict(parse_console(LAUNCH), launch_to_exit_s=30.0, cpu_s={"raylet": 3.0, "total": 9.0})]
+    assert summarize(runs)["cpu_s"] == {"raylet": 2.0, "total": 7.0}
