@@ -28,7 +28,7 @@ GiB = 2**30
 
 
 def job_runtime_env(cfg: Config) -> dict[str, Any]:
-    from asyncrl.weights.group import job_nccl_env
+    from asyncrl.weights.nccl_env import job_nccl_env
 
     package = Path(__file__).resolve().parent
     env_vars = {

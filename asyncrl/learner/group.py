@@ -229,10 +229,10 @@ def reserve_placement(cfg: Config) -> Any:
 
 def rank_env(cfg: Config) -> dict[str, str]:
     """Environment of every learner rank's process (RANK / WORLD_SIZE are added per rank). It
-    carries the job's one NCCL_CUMEM_ENABLE (`weights.group.job_nccl_env`, also in the job's
+    carries the job's one NCCL_CUMEM_ENABLE (`weights.nccl_env.job_nccl_env`, also in the job's
     runtime_env): DeepSpeed's `init_distributed` creates the rank's first NCCL communicator, and
     NCCL reads the variable then and never again."""
-    from asyncrl.weights.group import job_nccl_env
+    from asyncrl.weights.nccl_env import job_nccl_env
 
     lc = cfg.learner
     return {"DS_ACCELERATOR": "cuda" if lc.num_gpus > 0 else "cpu", "LOCAL_RANK": "0",

@@ -3,7 +3,8 @@
 
 Layout (one job per module):
 - `wire`: buckets, manifests, dtype names and the integrity fingerprint (pure torch, no I/O);
-- `group`: the rendezvous TCPStore, the weight process groups, bounded waits and aborts, NCCL env;
+- `group`: the rendezvous TCPStore, the weight process groups, bounded waits and aborts, NCCL error handling;
+- `nccl_env`: the job's one NCCL_CUMEM_ENABLE and the members' check of it (no torch: the launcher reads it);
 - `sender`: `WeightSender`, rank 0's side of the membership protocol and of every round;
 - `receiver`: `WeightReceiver`, one member's side (plain torch; what loads it into a vLLM engine
   lives with the engine, in `asyncrl.actors.worker_extension`: the worker extension, and the
@@ -39,7 +40,7 @@ Membership protocol (all keys in the sender's TCPStore, which is also the rendez
   communicator, never the process) and a backstop timeout later than every deadline above; it is
   built and connected (its first collective, where NCCL creates the communicator) under the
   sender's deadline (`group.connect_group`), members silent there are dropped; NCCL_CUMEM_ENABLE is
-  one value for the whole job (`group.job_nccl_env`, in every process's environment before it
+  one value for the whole job (`nccl_env.job_nccl_env`, in every process's environment before it
   starts): the sender's value travels in the plan, each member's in its ready key, and a group
   whose members disagree is refused with `NcclEnvMismatch` naming them; `set_device` before the
   sends and the exporter's gathers.

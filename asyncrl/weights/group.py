@@ -7,7 +7,7 @@ polls `work.is_completed()`, so the bound holds on NCCL, whose `wait()` does not
 gloo alike); the group's own timeout (`backstop_timeout`) is later than every such deadline, so
 gloo's and NCCL's watchdogs are the backstop, never the mechanism; NCCL groups are built with
 TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (a timeout aborts the communicator, never the process);
-`abort_group` never blocks. NCCL_CUMEM_ENABLE is one value for the whole job (`job_nccl_env`,
+`abort_group` never blocks. NCCL_CUMEM_ENABLE is one value for the whole job (`nccl_env.job_nccl_env`,
 put into every process's environment by the job's runtime_env before it starts, since NCCL reads
 it once, at the process's first communicator, which on a learner rank is DeepSpeed's
 `init_distributed`); the weight group refuses to build when two members disagree
@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -52,39 +52,11 @@ def backstop_timeout(timeout_s: float) -> timedelta:
 # timed-out collective aborts its communicator but never tears the process down (torch's default,
 # 3, kills the process, i.e. the learner).
 NCCL_ERROR_HANDLING = "2"
-CUMEM_VAR = "NCCL_CUMEM_ENABLE"
-CUMEM_DEFAULT = "0"
 
 
 class NcclEnvMismatch(RuntimeError):
     """Two members of the weight group run with different NCCL_CUMEM_ENABLE: a configuration
     error (every round would fail to connect), never a member failure to drop and retry."""
-
-
-def job_nccl_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The job-wide NCCL_CUMEM_ENABLE: the launching process's value if it has one, else
-    `CUMEM_DEFAULT`. It goes into the runtime_env of every Ray process of the job (learner ranks,
-    rollout actors and the engine processes they spawn), so each has it before its first NCCL
-    communicator; setting it later in a process changes nothing (NCCL caches it)."""
-    environ = os.environ if environ is None else environ
-    return {CUMEM_VAR: environ.get(CUMEM_VAR, CUMEM_DEFAULT)}
-
-
-def nccl_cumem() -> str | None:
-    """This process's NCCL_CUMEM_ENABLE (None: unset, NCCL's own default)."""
-    return os.environ.get(CUMEM_VAR)
-
-
-def cumem_mismatch(mine: str | None, theirs: dict[str, str | None], who: str) -> str | None:
-    """A message naming every member whose NCCL_CUMEM_ENABLE differs from `mine` (None: all agree)."""
-    bad = {m: v for m, v in theirs.items() if v != mine}
-    if not bad:
-        return None
-    shown = ", ".join(f"{m}={v if v is not None else 'unset'}" for m, v in sorted(bad.items()))
-    return (f"weight group: NCCL_CUMEM_ENABLE={mine if mine is not None else 'unset'} on {who} but {shown}; "
-            "NCCL cannot connect processes that disagree on it: set one value for the whole job (asyncrl puts "
-            f"the launcher's value, default {CUMEM_DEFAULT}, into every role's environment; something in these "
-            "processes overrides it)")
 
 
 @contextmanager

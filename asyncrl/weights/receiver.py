@@ -32,13 +32,12 @@ from asyncrl.weights.group import (
     abort_group,
     backstop_timeout,
     connect_group,
-    cumem_mismatch,
     group_store,
     make_group,
     make_store,
-    nccl_cumem,
     wait_work,
 )
+from asyncrl.weights.nccl_env import cumem_mismatch, nccl_cumem
 from asyncrl.weights.wire import (
     PREFIX,
     NamedTensor,

@@ -28,14 +28,13 @@ from asyncrl.weights.group import (
     abort_group,
     backstop_timeout,
     connect_group,
-    cumem_mismatch,
     group_store,
     make_group,
     make_store,
-    nccl_cumem,
     resolve_backend,
     wait_work,
 )
+from asyncrl.weights.nccl_env import cumem_mismatch, nccl_cumem
 from asyncrl.weights.store import STORE_NAME, HostArena, publish_weights
 from asyncrl.weights.wire import PREFIX, WeightsInput, bucket_fingerprint, pack_buckets
 

@@ -47,15 +47,21 @@ def test_the_check_sees_function_level_and_from_imports(tmp_path):
     assert "asyncrl.learner" in mods and "asyncrl.actors.engine" in mods
 
 
-def test_the_weight_store_actor_imports_no_torch():
-    """The `WeightStore` actor's process imports only the module of its class: with torch at that
-    module's top it spent ~2.4 CPU-s of every launch's start-up importing torch for a class that holds an
-    int and an ObjectRef. A fresh interpreter imports the module and reports what came with it."""
+@pytest.mark.parametrize("what, code", [
+    # The `WeightStore` actor's process imports only the module of its class: with torch at that
+    # module's top it spent ~1.5 CPU-s of every launch's start-up on torch, for an int and an ObjectRef.
+    ("the weight store actor", "import asyncrl.weights.store"),
+    # The launcher builds the job's runtime_env (with the one NCCL_CUMEM_ENABLE) before Ray starts:
+    # through `weights.group` that imported torch into the launcher (1.5 s of its start-up).
+    ("the launcher's runtime_env", "from asyncrl.cluster import job_runtime_env; from asyncrl.config import Config; "
+                                   "job_runtime_env(Config())"),
+])
+def test_torch_free_processes_import_no_torch(what, code):
+    """A fresh interpreter runs the code and reports what came with it."""
     import subprocess
     import sys
 
-    code = ("import sys; import asyncrl.weights.store; "
-            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    code += "; import sys; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"{what}: {out.stdout}"

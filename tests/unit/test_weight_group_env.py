@@ -13,6 +13,7 @@ import time
 import pytest
 
 from asyncrl.weights import group as w
+from asyncrl.weights import nccl_env
 
 
 def test_one_cumem_value_for_the_whole_job(monkeypatch):
@@ -24,16 +25,16 @@ def test_one_cumem_value_for_the_whole_job(monkeypatch):
 
     cfg = Config()
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
-    assert w.job_nccl_env() == {"NCCL_CUMEM_ENABLE": w.CUMEM_DEFAULT}
+    assert nccl_env.job_nccl_env() == {"NCCL_CUMEM_ENABLE": nccl_env.CUMEM_DEFAULT}
     assert job_runtime_env(cfg)["env_vars"]["NCCL_CUMEM_ENABLE"] == rank_env(cfg)["NCCL_CUMEM_ENABLE"] == "0"
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
     assert job_runtime_env(cfg)["env_vars"]["NCCL_CUMEM_ENABLE"] == rank_env(cfg)["NCCL_CUMEM_ENABLE"] == "1"
 
 
 def test_cumem_mismatch_names_every_member_that_disagrees():
-    assert w.cumem_mismatch("0", {"a/tp0": "0", "b/tp0": "0"}, "learner rank 0") is None
-    assert w.cumem_mismatch(None, {"a/tp0": None}, "learner rank 0") is None
-    msg = w.cumem_mismatch("0", {"a/tp0": "0", "b/tp0": "1", "c/tp1": None}, "learner rank 0")
+    assert nccl_env.cumem_mismatch("0", {"a/tp0": "0", "b/tp0": "0"}, "learner rank 0") is None
+    assert nccl_env.cumem_mismatch(None, {"a/tp0": None}, "learner rank 0") is None
+    msg = nccl_env.cumem_mismatch("0", {"a/tp0": "0", "b/tp0": "1", "c/tp1": None}, "learner rank 0")
     assert "NCCL_CUMEM_ENABLE=0 on learner rank 0 but b/tp0=1, c/tp1=unset" in msg
     assert "a/tp0" not in msg
 
