@@ -2,8 +2,13 @@
 
 Follows Guided-GRPO (docs/guided_grpo.md#data-format):
 - `data.train_files` is `path[@split]`: a local .json/.jsonl/.parquet file, a local directory
-  (loader from the files' extension), or a hub id (split default `train`), loaded with HF
-  `datasets`; `prompt_key`/`answer_key` columns; other columns carried along untouched.
+  (loader from the files' extension), or a hub id (split default `train`); `prompt_key`/`answer_key`
+  columns; other columns carried along untouched. Parquet files and hub ids load with HF `datasets`;
+  local JSON and JSON-lines files are read with the standard library (importing `datasets` brings
+  pandas and pyarrow: ~3 s of every launch on a small machine). As with `datasets`, every row gets
+  every column (None where a row lacks it); unlike it, values stay as the file wrote them (pyarrow
+  unifies a column's type: 3 becomes 3.0 in a column that also holds 3.5, and a column mixing
+  numbers and text fails to load).
 - `data.filter_overlong_prompts` drops training rows whose initial prompt exceeds
   `max_prompt_length` tokens: `load_training_rows`, the loader the job uses, applies it.
 
@@ -14,6 +19,7 @@ inside a collate function mid-run.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -56,13 +62,53 @@ def _local_files(path: Path, split: str) -> list[Path]:
     raise ValueError(f"data directory {path}: no file for split {split!r} among {[p.name for p in files]}")
 
 
-def load_rows(spec: str, cfg: DataConfig | None = None, *, require_answer: bool = True) -> list[dict[str, Any]]:
-    """Load `path[@split]` (local file/dir or hub id) with HF `datasets` and return its rows as a
-    list of dicts (sliceable, picklable to Ray actors), after checking that every row has the
-    prompt column (text) and, if `require_answer`, the answer column (not null). Raises
-    ValueError naming the file, the 0-based row within it and the column."""
-    import datasets
+def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a local .json/.jsonl file: one object per line (JSON lines, either suffix), or, for
+    .json, one array of objects or one object of equal-length column lists. ValueError naming the file
+    and line (or item) at fault."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip()[:1] in ("[", "{"):
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # JSON lines under a .json name: read line by line below
+        if isinstance(whole, list):
+            for i, row in enumerate(whole):
+                if not isinstance(row, dict):
+                    raise ValueError(f"data file {path}: item {i} of the top-level array is a JSON "
+                                     f"{type(row).__name__}, not an object (a row)")
+            return whole
+        if (isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values())
+                and len({len(v) for v in whole.values()}) == 1):  # columns: {"problem": [...], "answer": [...]}
+            return [dict(zip(whole, values, strict=True)) for values in zip(*whole.values(), strict=True)]
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"data file {path}, line {number}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"data file {path}, line {number}: a JSON {type(row).__name__}, not an object (a row)")
+        rows.append(row)
+    return rows
 
+
+def _every_column(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every row with every column of the rows, in first-seen order, None where a row lacks one (as
+    `datasets` gives them); and the column names."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    if all(len(row) == len(columns) for row in rows):
+        return rows, columns
+    return [{c: row.get(c) for c in columns} for row in rows], columns
+
+
+def load_rows(spec: str, cfg: DataConfig | None = None, *, require_answer: bool = True) -> list[dict[str, Any]]:
+    """Load `path[@split]` (local file/dir or hub id) and return its rows as a list of dicts
+    (sliceable, picklable to Ray actors), after checking that every row has the prompt column
+    (text) and, if `require_answer`, the answer column (not null). Raises ValueError naming the
+    file, the 0-based row within it and the column."""
     cfg = cfg or DataConfig()
     path_s, split = parse_data_spec(spec)
     path = Path(os.path.expanduser(path_s))
@@ -72,21 +118,24 @@ def load_rows(spec: str, cfg: DataConfig | None = None, *, require_answer: bool 
         if len(loaders) > 1:
             raise ValueError(f"data {spec}: mixed file types {sorted({p.suffix for p in files})}")
         loader = loaders.pop()
-        parts, sources = [], []
+        rows, sources = [], []
         for f in files:
-            try:
-                parts.append(datasets.load_dataset(loader, data_files=[str(f)], split="train"))
-            except Exception as exc:
-                raise ValueError(f"data file {f}: cannot be read as {f.suffix}: {exc}") from exc
-            sources.append((str(f), len(parts[-1])))
-        try:
-            ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-        except Exception as exc:
-            cols = {s: p.column_names for (s, _), p in zip(sources, parts, strict=True)}
-            raise ValueError(f"data {spec}: files have incompatible columns {cols}: {exc}") from exc
+            if loader == "json":
+                part = _read_json_rows(f)
+            else:
+                import datasets
+
+                try:
+                    part = datasets.load_dataset(loader, data_files=[str(f)], split="train").to_list()
+                except Exception as exc:
+                    raise ValueError(f"data file {f}: cannot be read as {f.suffix}: {exc}") from exc
+            rows += part
+            sources.append((str(f), len(part)))
     else:
         if path_s.startswith((".", "/", "~")) or path_s.endswith(tuple(_EXT_LOADER)):
             raise ValueError(f"data {spec}: no such file or directory {path}")
+        import datasets
+
         try:
             ds = datasets.load_dataset(path_s, split=split)
         except Exception as exc:
@@ -98,12 +147,14 @@ def load_rows(spec: str, cfg: DataConfig | None = None, *, require_answer: bool 
                 f"'{path_s}', split='{split}').to_parquet('{path_s.rsplit('/', 1)[-1]}/{split}.parquet')`) and point "
                 f"at the local copy: data.train_files=/path/to/{path_s.rsplit('/', 1)[-1]}@{split} (data.val_files "
                 "likewise)") from None
-        sources = [(path_s, len(ds))]
-    _check_rows(ds, cfg, sources, require_answer)
-    return ds.to_list()
+        rows, sources = ds.to_list(), [(path_s, len(ds))]
+    rows, columns = _every_column(rows)
+    _check_rows(rows, columns, cfg, sources, require_answer)
+    return rows
 
 
-def _check_rows(ds: Any, cfg: DataConfig, sources: list[tuple[str, int]], require_answer: bool) -> None:
+def _check_rows(rows: list[dict[str, Any]], columns: list[str], cfg: DataConfig, sources: list[tuple[str, int]],
+                require_answer: bool) -> None:
     required = [cfg.prompt_key] + ([cfg.answer_key] if require_answer else [])
 
     def where(i: int) -> str:
@@ -114,10 +165,11 @@ def _check_rows(ds: Any, cfg: DataConfig, sources: list[tuple[str, int]], requir
         return f"row {i}"
 
     for col in required:
-        if col not in ds.column_names:
-            raise ValueError(f"{where(0).split(', row')[0]}: no column {col!r} (columns: {ds.column_names}); "
+        if col not in columns:
+            raise ValueError(f"{where(0).split(', row')[0]}: no column {col!r} (columns: {columns}); "
                              f"set data.{'prompt_key' if col == cfg.prompt_key else 'answer_key'}")
-        for i, value in enumerate(ds[col]):
+        for i, row in enumerate(rows):
+            value = row[col]
             if value is None:
                 raise ValueError(f"{where(i)}: missing column {col!r}")
             if col == cfg.prompt_key and not isinstance(value, str):

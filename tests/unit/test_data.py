@@ -1,6 +1,7 @@
 """Proves the data loading and message building of Guided-GRPO's data format
 (docs/guided_grpo.md#data-format): json/jsonl/parquet
-files and directories (`path@split`) load through HF datasets; a row missing a required column
+files and directories (`path@split`) load (parquet through HF datasets, JSON with the standard
+library, the same rows as datasets gives for the repository's data files); a row missing a required column
 fails with the file, row and column named; format prompts (built-in names and Jinja files,
 stripped) and the `guided` system prompt render as in the original; `<image>` markers are
 reconciled with the image count; hub ids fail clearly offline; the overlong filter drops rows
@@ -60,6 +61,50 @@ def test_load_jsonl_json_parquet_and_dir(tmp_path: Path) -> None:
     assert load_rows(f"{d}@test") == ROWS[:1]
     with pytest.raises(ValueError, match="no file for split 'validation'"):
         load_rows(f"{d}@validation")
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "assets").rglob("*.jsonl")))
+def test_json_rows_are_the_rows_datasets_gives(name: str) -> None:
+    """The standard-library reader against the peer it replaces (HF datasets' json loader), on every
+    JSON-lines file the repository ships (the quick starts' data, text and VL)."""
+    import datasets
+
+    path = ROOT / name
+    assert load_rows(str(path), require_answer=False) == \
+        datasets.load_dataset("json", data_files=[str(path)], split="train").to_list()
+
+
+def test_json_shapes_columns_and_values_as_written(tmp_path: Path) -> None:
+    rows = [{"problem": "a", "answer": 3}, {"problem": "b", "answer": 3.5, "extra": [1]}]
+    expected = [{"problem": "a", "answer": 3, "extra": None}, {"problem": "b", "answer": 3.5, "extra": [1]}]
+    # every row gets every column (None where absent, as datasets gives them), in first-seen order;
+    # values as written: 3 stays 3 (pyarrow would make it 3.0 beside 3.5)
+    write_jsonl(tmp_path / "lines.jsonl", rows)
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "columns.json").write_text(json.dumps({"problem": ["a", "b"], "answer": [3, 3.5],
+                                                       "extra": [None, [1]]}))
+    write_jsonl(tmp_path / "lines.json", rows)  # JSON lines under a .json name
+    for name in ("lines.jsonl", "array.json", "columns.json", "lines.json"):
+        got = load_rows(str(tmp_path / name))
+        assert got == expected and list(got[0]) == ["problem", "answer", "extra"], name
+        assert type(got[0]["answer"]) is int, name
+
+
+def test_malformed_json_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": \n')
+    with pytest.raises(ValueError, match=rf"data file {f}, line 3: not valid JSON"):
+        load_rows(str(f))
+    f.write_text('{"problem": "a", "answer": "1"}\n["not", "a", "row"]\n')
+    with pytest.raises(ValueError, match=rf"data file {f}, line 2: a JSON list, not an object"):
+        load_rows(str(f))
+    g = tmp_path / "bad.json"
+    g.write_text(json.dumps([{"problem": "a", "answer": "1"}, 7]))
+    with pytest.raises(ValueError, match=rf"data file {g}: item 1 of the top-level array is a JSON int"):
+        load_rows(str(g))
 
 
 def test_missing_column_in_a_row_names_file_row_and_column(tmp_path: Path) -> None:
