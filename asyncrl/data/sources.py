@@ -213,6 +213,31 @@ def filter_overlong_prompts(rows: Any, tokenizer: Any, cfg: DataConfig | None = 
 
 
 
+def filter_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The policy's tokenizer for the overlong filter. A local checkpoint with a `tokenizer.json` (and
+    no remote code) loads as transformers' generic `TokenizersBackend` over that file: its saved
+    pipeline and added tokens, and the chat template and special tokens of `tokenizer_config.json`.
+    `AutoTokenizer` would pick a model-specific subclass (e.g. `Qwen2Tokenizer`) through machinery
+    that imports torch (~2-3 s of the launcher's start-up on 2 cores); the filter only counts tokens of
+    the rendered prompt without special-token insertion, which the subclass computes from the same
+    file (tests/unit/test_data.py checks texts and counts against AutoTokenizer on every shipped
+    tokenizer). Anything else (a hub id, remote code, no tokenizer.json): `AutoTokenizer`."""
+    local = Path(os.path.expanduser(path))
+    config = local / "tokenizer_config.json"
+    if not trust_remote_code and (local / "tokenizer.json").is_file() and config.is_file():
+        try:
+            remote = "auto_map" in json.loads(config.read_text())
+        except (OSError, ValueError):  # unreadable: AutoTokenizer says what is wrong with it
+            remote = True
+        if not remote:
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(local))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 _preloaded: dict[str, list[dict[str, Any]]] = {}
 """Rows `derive_max_steps` or `preload_training_rows` loaded at launch, handed once to the job's own
 `load_training_rows` (the driver then holds no second copy, and the rows are not read twice)."""
@@ -232,10 +257,7 @@ def load_training_rows(cfg: Config) -> list[dict[str, Any]]:
     rows = load_rows(cfg.data.train_files, cfg.data)
     if not cfg.data.filter_overlong_prompts:
         return rows
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
-                                              trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = filter_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
     kept, _ = filter_overlong_prompts(rows, tokenizer, cfg.data)
     return kept
 

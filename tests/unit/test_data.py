@@ -228,6 +228,57 @@ def test_load_training_rows_applies_the_overlong_filter(tmp_path: Path, monkeypa
     assert len(load_training_rows(off)) == 20 and loaded == ["policy-dir"]  # no tokenizer needed
 
 
+@pytest.mark.parametrize("model, named", [(m, None) for m in ("tiny-policy", "tiny-vl-policy", "tiny-vl-policy-2_5",
+                                                                "tiny-vl-policy-3")] + [("tiny-policy", "Qwen2Tokenizer")])
+def test_the_filters_tokenizer_counts_what_autotokenizer_counts(tmp_path: Path, model: str, named: str | None) -> None:
+    """`filter_tokenizer` loads the generic TokenizersBackend over tokenizer.json (no torch);
+    AutoTokenizer builds a model-specific subclass where it maps one (Qwen2Tokenizer for `qwen2`). On
+    every shipped tokenizer, and on a copy whose tokenizer_config.json names `Qwen2Tokenizer` (what
+    a real Qwen checkpoint names), the rendered prompts and their token counts must be the same."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.data.sources import filter_tokenizer
+
+    path = ROOT / "assets" / model
+    if named:
+        path = Path(shutil.copytree(path, tmp_path / model, ignore=shutil.ignore_patterns("*.safetensors")))
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": named}))
+    ours, auto = filter_tokenizer(str(path)), AutoTokenizer.from_pretrained(str(path))
+    assert type(ours).__name__ == "TokenizersBackend"  # AutoTokenizer: Qwen2Tokenizer for the text policy
+    rows = load_rows(str(ROOT / "assets/arith/val.jsonl"))[:50]
+    rows += [{"problem": "Ünïcödé, emoji 🙂 and\ttabs\n\n  spaces <|im_end|>", "answer": "1"}]
+    texts = [[t.apply_chat_template(build_messages(r, DataConfig()), tokenize=False, add_generation_prompt=True)
+              for r in rows] for t in (ours, auto)]
+    assert texts[0] == texts[1]
+    assert ours(texts[0], add_special_tokens=False)["input_ids"] == auto(texts[0], add_special_tokens=False)["input_ids"]
+
+
+def test_the_filters_tokenizer_falls_back_to_autotokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remote code, an `auto_map`, no tokenizer.json, or no local files: AutoTokenizer."""
+    import shutil
+
+    import transformers
+
+    from asyncrl.data.sources import filter_tokenizer
+
+    asked: list[tuple[str, bool]] = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, trust_remote_code=False: asked.append((path, trust_remote_code)) or "auto")
+    path = Path(shutil.copytree(ROOT / "assets/tiny-policy", tmp_path / "p", ignore=shutil.ignore_patterns("*.safetensors")))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert filter_tokenizer(str(path), trust_remote_code=True) == "auto"
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["x.X", None]}}))
+    assert filter_tokenizer(str(path)) == "auto"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").unlink()
+    assert filter_tokenizer(str(path)) == "auto"
+    assert filter_tokenizer("someone/hub-model") == "auto"
+    assert asked == [(str(path), True), (str(path), False), (str(path), False), ("someone/hub-model", False)]
+
+
 def test_preloaded_rows_are_handed_once_and_a_bad_file_fails_in_the_data_step(tmp_path: Path) -> None:
     """The launcher loads the rows in the background (`preload_training_rows`); the data step takes
     them without reading the file again, and a file that cannot load fails there, by name."""

@@ -55,13 +55,17 @@ def test_the_check_sees_function_level_and_from_imports(tmp_path):
     # through `weights.group` that imported torch into the launcher (1.5 s of its start-up).
     ("the launcher's runtime_env", "from asyncrl.cluster import job_runtime_env; from asyncrl.config import Config; "
                                    "job_runtime_env(Config())"),
+    # The launcher's data step (rows + overlong filter, beside the start-up): AutoTokenizer and HF
+    # datasets imported torch, pandas and pyarrow there (~4 CPU-s on 2 cores).
+    ("the launcher's data step", "from asyncrl.config import load_config; from asyncrl.data import load_training_rows; "
+                                 "load_training_rows(load_config('configs/quickstart.yaml', []))"),
 ])
 def test_torch_free_processes_import_no_torch(what, code):
     """A fresh interpreter runs the code and reports what came with it."""
     import subprocess
     import sys
 
-    code += "; import sys; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code += "; import sys; print(sorted(m for m in ('torch', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", f"{what}: {out.stdout}"
