@@ -62,9 +62,7 @@ class MetricLogger:
         self._tb = None
         self._wandb = None
         if "tensorboard" in sinks:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = _TensorBoard(self.run_dir / "tensorboard")
         if "wandb" in sinks:
             import wandb
 
@@ -84,9 +82,7 @@ class MetricLogger:
                 if s is not None:
                     self._tb.add_scalar(key, s, step)
                 elif key.endswith("_hist") and isinstance(value, (list, tuple)) and value:
-                    import numpy as np
-
-                    self._tb.add_histogram(key, np.asarray(_expand_hist(value)), step)
+                    self._tb.add_counts(key, [float(c) for c in value], step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if _scalar(v) is not None}, step=step)
@@ -112,12 +108,44 @@ def effective_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _expand_hist(counts: list[float]) -> list[float]:
-    """`[c0, c1, ...]` counts per lag -> samples for TensorBoard's histogram."""
-    out: list[float] = []
-    for lag, c in enumerate(counts):
-        out.extend([float(lag)] * int(c))
-    return out or [0.0]
+class _TensorBoard:
+    """TensorBoard event files written with the `tensorboard` package's own writer and protos (what
+    `torch.utils.tensorboard.SummaryWriter` wraps; importing torch for it cost the launcher ~1.5 s of
+    its start-up): scalars, and per-lag counts as a histogram."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(log_dir))
+
+    def _add(self, value: Any, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._add(Summary.Value(tag=tag, simple_value=value), step)
+
+    def add_counts(self, tag: str, counts: list[float], step: int) -> None:
+        """`counts[k]` values equal to k (e.g. groups trained at staleness k): one bucket per k, with
+        upper edge k + 0.5, and the exact min, max, number, sum and sum of squares."""
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+
+        present = [k for k, c in enumerate(counts) if c > 0] or [0]
+        hist = HistogramProto(min=float(present[0]), max=float(present[-1]), num=sum(counts),
+                              sum=sum(k * c for k, c in enumerate(counts)),
+                              sum_squares=sum(k * k * c for k, c in enumerate(counts)),
+                              bucket_limit=[k + 0.5 for k in range(len(counts))], bucket=counts)
+        self._add(Summary.Value(tag=tag, histo=hist), step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _json_default(value: Any) -> Any:

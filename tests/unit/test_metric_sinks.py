@@ -35,7 +35,6 @@ def test_jsonl_reads_back_every_key_of_every_step(tmp_path):
 
 
 def test_tensorboard_event_files_read_back_scalars_and_the_histogram(tmp_path):
-    pytest.importorskip("torch.utils.tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _log(tmp_path, ["tensorboard"])
@@ -46,6 +45,8 @@ def test_tensorboard_event_files_read_back_scalars_and_the_histogram(tmp_path):
     hist = events.Histograms("buffer/staleness_hist")
     # step 1: counts [3, 1] -> samples 0, 0, 0, 1 (4 groups, lags summing to 1); step 2: [4, 0] -> four 0s
     assert [(h.step, h.histogram_value.num, h.histogram_value.sum) for h in hist] == [(1, 4, 1.0), (2, 4, 0.0)]
+    one = hist[0].histogram_value  # one bucket per lag, upper edge lag + 0.5, the counts as logged
+    assert (one.min, one.max, one.sum_squares, list(one.bucket_limit), list(one.bucket)) == (0, 1, 1, [0.5, 1.5], [3, 1])
     assert "verifier/versions_in_batch" not in events.Tags()["scalars"]  # a string is not a scalar
 
 

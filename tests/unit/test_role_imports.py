@@ -59,6 +59,9 @@ def test_the_check_sees_function_level_and_from_imports(tmp_path):
     # datasets imported torch, pandas and pyarrow there (~4 CPU-s on 2 cores).
     ("the launcher's data step", "from asyncrl.config import load_config; from asyncrl.data import load_training_rows; "
                                  "load_training_rows(load_config('configs/quickstart.yaml', []))"),
+    # The launcher's TensorBoard sink (the quick start's): torch.utils.tensorboard imported torch (1.5 s).
+    ("the launcher's metric sinks", "import tempfile; from asyncrl.metrics import MetricLogger; "
+                                    "MetricLogger(tempfile.mkdtemp(), ['jsonl', 'tensorboard'], 'p', 'e', {}).log(1, {'a': 1.0})"),
 ])
 def test_torch_free_processes_import_no_torch(what, code):
     """A fresh interpreter runs the code and reports what came with it."""
