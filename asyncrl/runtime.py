@@ -175,9 +175,9 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
     topo = None
     try:
         resume = find_resume(cfg, run_dir)
+        rows = _load_rows_in_background(cfg)
         with step_timer("ray" + (f" (joining {cfg.cluster.ray_address})" if cfg.cluster.ray_address else " (embedded)")):
             ray_init(cfg, namespace)
-        rows = _load_rows_in_background(cfg)
         with step_timer("preflight (resources, nodes, addresses)"):
             preflight(cfg)
         (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
@@ -219,13 +219,15 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
 
 
 def _load_rows_in_background(cfg: Config) -> threading.Thread:
-    """The training rows (datasets, the tokenizer of the overlong filter) loaded in a thread, started
-    once Ray is up (beside `ray.init` it slowed Ray's own start by 2-3 s on 2 cores), while the driver
-    starts the learner and the engines; the data step of the topology then takes them
-    (asyncrl.data.preload_training_rows). The thread runs at the niceness of Ray's workers (15;
-    Linux: niceness is per thread): at the driver's 0 it would take the cores from the engine and
-    learner builds, at 19 it starved behind them and the coordinator, which needs the rows and
-    which the engines need next, came late."""
+    """The training rows (the files, the tokenizer of the overlong filter) loaded in a thread while
+    Ray starts and the driver starts the learner and the engines; the data step of the topology then
+    takes them (asyncrl.data.preload_training_rows), and a file that did not load stops the launch
+    before the learner and the engines are asked for (`build_topology`'s `fail_early`). It starts
+    beside `ray.init` since it costs ~1.2 CPU-s (the JSON reader and the tokenizer import no torch,
+    pandas or pyarrow; it was ~4 CPU-s, and then slowed Ray's start by 2-3 s on 2 cores). The thread
+    runs at the niceness of Ray's workers (15; Linux: niceness is per thread): at the driver's 0 it
+    would take the cores from the engine and learner builds, at 19 it starved behind them and the
+    coordinator, which needs the rows and which the engines need next, came late."""
     from asyncrl.data import preload_training_rows
 
     def preload() -> None:

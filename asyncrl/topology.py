@@ -118,7 +118,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
     from asyncrl.actors.fleet import RolloutFleet
     from asyncrl.actors.rollout import make_rollout_actor_class
     from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
-    from asyncrl.data import load_training_rows
+    from asyncrl.data import has_preloaded_rows, load_training_rows
     from asyncrl.learner.group import LearnerGroup, reserve_placement
     from asyncrl.replay.host import BufferHost
     from asyncrl.weights.store import start_weight_store
@@ -140,11 +140,15 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
         say("starting verifier service in the background ...")
 
     def fail_early() -> None:
-        """A background start that has already failed (an unreachable HTTP verifier, say) stops the
-        launch now, between steps, before the engines are built, not when its own step comes."""
+        """A background start that has already failed (an unreachable HTTP verifier, say) or training
+        rows that did not load (a row without an answer) stop the launch now, between steps, before
+        the learner and the engines are built, not when their own step comes."""
         if "verifier" in pending and pending["verifier"].done() and pending["verifier"].exception() is not None:
             with step_timer(verifier_step):
                 pending["verifier"].result()
+        if rows_loading is not None and not rows_loading.is_alive() and not has_preloaded_rows(cfg):
+            with step_timer("data"):
+                load_training_rows(cfg)  # raises the loading error, naming the file and row
 
     try:
         # Stateful services survive their own death: Ray restarts them (and retries the calls made
@@ -159,6 +163,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
             cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
         # the nodes the engines left (ZeRO collectives then cross the inter-node link).
+        fail_early()
         with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
             topo.learner_placement = reserve_placement(cfg)
         # The learner's ranks (process start, model, DeepSpeed engine) build from now on too: they

@@ -20,6 +20,7 @@ from asyncrl.data.prompts import FORMAT_PROMPTS
 from asyncrl.data.sources import (
     derive_max_steps,
     filter_overlong_prompts,
+    has_preloaded_rows,
     load_rows,
     load_training_rows,
     parse_data_spec,
@@ -35,6 +36,7 @@ __all__ = [
     "build_messages",
     "derive_max_steps",
     "filter_overlong_prompts",
+    "has_preloaded_rows",
     "load_format_prompt",
     "load_rows",
     "load_training_rows",

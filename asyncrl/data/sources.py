@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from asyncrl.config import Config
 
 __all__ = ["parse_data_spec", "load_rows", "filter_overlong_prompts", "load_training_rows", "derive_max_steps",
-           "steps_per_epoch"]
+           "steps_per_epoch", "has_preloaded_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +275,12 @@ def preload_training_rows(cfg: Config) -> None:
     except Exception:  # noqa: BLE001 - reported by the data step, in its place
         return
     _preloaded[key] = rows
+
+
+def has_preloaded_rows(cfg: Config) -> bool:
+    """Whether `preload_training_rows` kept this config's rows (after it returned: False means the
+    data step will fail, naming the file and row)."""
+    return _rows_key(cfg) in _preloaded
 
 
 def steps_per_epoch(num_rows: int, rollout_batch_size: int) -> int:

@@ -132,6 +132,7 @@ def test_row_without_answer_fails_before_training(tmp_path: Path) -> None:
     proc = launch(tmp_path, f"data.train_files={bad}", "trainer.experiment_name=bad", timeout=300)
     assert proc.returncode != 0
     assert "answer" in proc.stderr and "row 1" in proc.stderr, proc.stderr[-2000:]
+    assert "engines building" not in proc.stdout, proc.stdout[-2000:]  # stopped before the engines were asked for
     assert not (tmp_path / "bad" / "metrics.jsonl").exists() or not (tmp_path / "bad" / "metrics.jsonl").read_text()
 
 
