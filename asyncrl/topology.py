@@ -181,10 +181,11 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
             say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the other services start")
         pending["weight store"] = background.submit(start_weight_store, namespace)
         # The rows are needed by the coordinator only: loaded (the tokenizer of the overlong filter)
-        # in a thread of the launcher since Ray came up, waited for once the learner and the engines are on their way.
+        # in a thread of the launcher since Ray started, waited for once the learner and the engines are on their way.
         with step_timer("data"):
             if rows_loading is not None:
                 rows_loading.join()
+                rows_loading = None  # taken: `fail_early` no longer looks at them
             rows = load_training_rows(cfg)
             cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
         topo.rows_ref = ray.put(rows)  # held by the driver for the job's life: a restarted coordinator is built from it

@@ -90,6 +90,8 @@ def test_async_run_trains_checkpoints_and_evaluates(tmp_path: Path) -> None:
     assert "asyncrl run summary" in proc.stdout
     # CPU engines: vLLM's engine core forked from the rollout actor, not spawned (`engine_core_forked`)
     assert proc.stdout.count("engine core forked") == 2, proc.stdout[-3000:]
+    # the rows are loaded once: the launcher's between-step check of them stops once the data step took them
+    assert proc.stdout.count("starting data") == 1, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("path", ["extension", pytest.param("native", marks=pytest.mark.slow)])
