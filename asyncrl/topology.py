@@ -161,9 +161,9 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
         # learner's placement is reserved and the engines build; its step below waits for it.
         topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
             cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
+        fail_early()  # training rows that did not load (usually known by now: they load while Ray starts)
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
         # the nodes the engines left (ZeRO collectives then cross the inter-node link).
-        fail_early()
         with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
             topo.learner_placement = reserve_placement(cfg)
         # The learner's ranks (process start, model, DeepSpeed engine) build from now on too: they
