@@ -114,32 +114,28 @@ class _TensorBoard:
     its start-up): scalars, and per-lag counts as a histogram."""
 
     def __init__(self, log_dir: Path) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        self._event, self._summary, self._histogram = Event, Summary, HistogramProto
         self._writer = EventFileWriter(str(log_dir))
 
     def _add(self, value: Any, step: int) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=[value])))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        self._add(Summary.Value(tag=tag, simple_value=value), step)
+        self._add(self._summary.Value(tag=tag, simple_value=value), step)
 
     def add_counts(self, tag: str, counts: list[float], step: int) -> None:
         """`counts[k]` values equal to k (e.g. groups trained at staleness k): one bucket per k, with
         upper edge k + 0.5, and the exact min, max, number, sum and sum of squares."""
-        from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
-
         present = [k for k, c in enumerate(counts) if c > 0] or [0]
-        hist = HistogramProto(min=float(present[0]), max=float(present[-1]), num=sum(counts),
-                              sum=sum(k * c for k, c in enumerate(counts)),
-                              sum_squares=sum(k * k * c for k, c in enumerate(counts)),
-                              bucket_limit=[k + 0.5 for k in range(len(counts))], bucket=counts)
-        self._add(Summary.Value(tag=tag, histo=hist), step)
+        hist = self._histogram(min=float(present[0]), max=float(present[-1]), num=sum(counts),
+                               sum=sum(k * c for k, c in enumerate(counts)),
+                               sum_squares=sum(k * k * c for k, c in enumerate(counts)),
+                               bucket_limit=[k + 0.5 for k in range(len(counts))], bucket=counts)
+        self._add(self._summary.Value(tag=tag, histo=hist), step)
 
     def flush(self) -> None:
         self._writer.flush()
