@@ -12,8 +12,8 @@ seconds since the process was started; from the launcher's own step lines (`star
 - `engine_up_s`: the rollout actor's own report of its engine build;
 - `launch_to_exit_s`;
 - `cpu_s`: CPU seconds (user + system) each process of the job had used when the first step's line
-  came, by role (the launcher, each Ray actor by class, Ray's own daemons, the engine core) and in
-  total: on a machine with few cores the sum, not the wall clock of any one part, sets the floor.
+  came, by role (the launcher, each Ray actor by class: a rollout actor with the engine core it
+  forked, which keeps its title; Ray's own daemons) and in total: on a machine with few cores the sum, not the wall clock of any one part, sets the floor.
   Processes that ended before the first step are not counted.
 
 The machine should be otherwise idle (2 cores here: anything else running moves every figure).
@@ -82,8 +82,8 @@ def _role(proc: Any) -> str:
 
 
 def cpu_by_role(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system, children not yet reaped excluded) of `pid` and every process
-    below it, summed by `_role`, largest first, with the total under `total`."""
+    """CPU seconds (user + system, each process's own: what its ended children used is not counted) of
+    `pid` and every process below it, summed by `_role`, largest first, with the total under `total`."""
     import psutil
 
     root = psutil.Process(pid)
