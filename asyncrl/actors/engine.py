@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.actors.lora import AdapterSlots
-from asyncrl.config import engine_env, rollout_device_defaults
+from asyncrl.config import apply_engine_env, engine_env, rollout_device_defaults
 from asyncrl.weights.local import LocalFeed
 from asyncrl.weights.receiver import announced_version
 from asyncrl.weights.store import STORE_NAME, fetch_weights
@@ -264,7 +264,7 @@ class PolicyEngine:
         )
         # read by vLLM when it builds the engine config and the engine-core process (inherited)
         env = engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process)
-        os.environ.update(env)
+        apply_engine_env(env)
         in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # CPU, model worker in the engine core
         vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
         fork = fork_engine_core and in_process and getattr(cfg, "engine_fork", None) is not False

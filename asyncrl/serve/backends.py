@@ -90,9 +90,9 @@ class VLLMVerifier(VerifierReplica):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
         args = verifier_engine_args(c, tok_path, on_gpu)
         from asyncrl.actors.engine import engine_core_forked
-        from asyncrl.config import engine_env
+        from asyncrl.config import apply_engine_env, engine_env
 
-        os.environ.update(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
+        apply_engine_env(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
         vllm_config = args.create_engine_config()
         with engine_core_forked(not on_gpu):  # CPU: the engine core forked from the replica, not spawned
             self.engine = AsyncLLM.from_vllm_config(vllm_config)

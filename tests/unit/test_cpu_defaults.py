@@ -1,13 +1,48 @@
 """The CPU-specific defaults derived from the hardware in one place (`asyncrl.config.roles`):
-vLLM's worker in-process and the rollout niced on CPU, nothing changed on GPU, each overridable."""
+vLLM's worker in-process, torch.compile off and the rollout niced on CPU, nothing changed on GPU,
+each overridable."""
+
+import subprocess
+import sys
 
 from asyncrl.config import Config, engine_env, rollout_cpu_nice
 
 
-def test_cpu_engines_run_their_worker_in_process_unless_told_not_to():
-    assert engine_env(0, None) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    assert engine_env(0, True) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    assert engine_env(0, False) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+def test_cpu_engines_run_their_worker_in_process_unless_told_not_to(monkeypatch):
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert engine_env(0, None)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert engine_env(0, True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert engine_env(0, False)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_cpu_engines_skip_torch_compile_unless_the_environment_asks_for_it(monkeypatch):
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert engine_env(0, None)["TORCH_COMPILE_DISABLE"] == "1"
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")  # a user who wants vLLM's compiled sampler helper
+    assert engine_env(0, None)["TORCH_COMPILE_DISABLE"] == "0"
+
+
+def test_the_compile_switch_reaches_an_already_imported_torch():
+    """vLLM's import loads torch._dynamo.config, which reads TORCH_COMPILE_DISABLE only then: the
+    switch must also be set on the module, and a torch.compile'd function then runs eagerly (no
+    Dynamo frame is compiled). A fresh interpreter: the switch is process-wide."""
+    code = """
+import os, torch, torch._dynamo.config as dynamo
+from torch._dynamo.utils import counters
+from asyncrl.config import apply_engine_env, engine_env
+os.environ.pop("TORCH_COMPILE_DISABLE", None)
+assert not dynamo.disable
+apply_engine_env(engine_env(0, None))
+assert dynamo.disable and os.environ["TORCH_COMPILE_DISABLE"] == "1"
+f = torch.compile(lambda x, v: (x >= v).sum(-1))
+out = f(torch.tensor([[1.0, 3.0, 2.0]]), torch.tensor([[2.0]]))
+assert out.tolist() == [2], out
+assert counters["frames"]["total"] == 0, dict(counters["frames"])
+print("ok")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TORCH_COMPILE_DISABLE"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
 def test_gpu_engines_keep_vllms_own_choice():
