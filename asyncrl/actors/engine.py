@@ -107,7 +107,8 @@ def _lora_engine_kwargs(adapter: dict[str, Any] | None, keep: int) -> dict[str, 
 
 
 # ---- building the engine-core process by fork (CPU) ------------------------------------------
-_FORKING_ENGINE_CORE = False  # True only while `engine_core_forked` builds an engine (read by the fork hook)
+_FORKING_ENGINE_CORE = False  # True only while `engine_core_forked` builds an engine (read by the fork hooks)
+_AFTER_FORK_IN_PARENT: Callable[[], None] | None = None  # `engine_core_forked`'s `after_fork`, run once
 
 
 def _close_inherited_sockets() -> None:
@@ -133,8 +134,16 @@ def _close_inherited_sockets() -> None:
             pass
 
 
+def _run_after_fork_in_parent() -> None:
+    """In the parent, once the engine core is forked: the build's `after_fork` callback (once)."""
+    global _AFTER_FORK_IN_PARENT
+    callback, _AFTER_FORK_IN_PARENT = _AFTER_FORK_IN_PARENT, None
+    if _FORKING_ENGINE_CORE and callback is not None:
+        callback()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_sockets)
+    os.register_at_fork(after_in_child=_close_inherited_sockets, after_in_parent=_run_after_fork_in_parent)
 
 
 def _torch_threads() -> int:
@@ -144,7 +153,7 @@ def _torch_threads() -> int:
 
 
 @contextlib.contextmanager
-def engine_core_forked(enabled: bool) -> Iterator[bool]:
+def engine_core_forked(enabled: bool, after_fork: Callable[[], None] | None = None) -> Iterator[bool]:
     """Build an `AsyncLLM` whose engine-core process is forked from this one, not spawned.
 
     vLLM spawns the engine core from a Ray actor (`_maybe_force_spawn`: "In a Ray actor and can only
@@ -167,13 +176,20 @@ def engine_core_forked(enabled: bool) -> Iterator[bool]:
       sets its own thread count); otherwise the engine core is spawned, with a log line saying why;
     - the interpreter's own fork handling (import lock, logging locks) covers the Python side.
     `enabled=False` changes nothing. Yields whether the engine core will be forked. Only the
-    engine-core process is forked: the environment variable is restored after the build."""
-    global _FORKING_ENGINE_CORE
+    engine-core process is forked: the environment variable is restored after the build.
+
+    `after_fork` (optional): work to run beside the engine core's build that must not be inherited
+    by a forked child, such as a thread (a child forked while another thread holds a lock, e.g. a
+    module's import lock, would hang on it): called in this process right after the fork, or at
+    once when the engine core is spawned instead. It must return quickly (start a thread)."""
+    global _FORKING_ENGINE_CORE, _AFTER_FORK_IN_PARENT
     if enabled and (threads := _torch_threads()) != 1:
         log.info("vLLM engine core spawned, not forked: this process runs torch on %d threads (a fork "
                  "after OpenMP has started its threads hangs in the child); OMP_NUM_THREADS=1 allows it", threads)
         enabled = False
     if not enabled:
+        if after_fork is not None:
+            after_fork()
         yield False
         return
     import vllm.utils.system_utils as vllm_system
@@ -183,10 +199,12 @@ def engine_core_forked(enabled: bool) -> Iterator[bool]:
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     vllm_system.is_in_ray_actor = lambda: False  # else `get_mp_context` turns the fork back into a spawn
     _FORKING_ENGINE_CORE = True
+    _AFTER_FORK_IN_PARENT = after_fork
     try:
         yield True
     finally:
         _FORKING_ENGINE_CORE = False
+        _AFTER_FORK_IN_PARENT = None  # a build that failed before its fork: nothing to run beside it
         vllm_system.is_in_ray_actor = saved_check
         if saved_method is None:
             os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
@@ -205,7 +223,8 @@ class PolicyEngine:
                  store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
                  version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
                  limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3,
-                 worker_extension: str = EXTENSION, fork_engine_core: bool = False) -> None:
+                 worker_extension: str = EXTENSION, fork_engine_core: bool = False,
+                 beside_build: Callable[[], None] | None = None) -> None:
         """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
         (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
         every weight load also resets vLLM's multimodal and encoder caches. `lora_adapter`: the
@@ -216,7 +235,9 @@ class PolicyEngine:
         it (`engine_core_forked`; `rollout.engine_fork` can turn it off). Only for a process that does
         nothing but own the engine (the rollout actor): the child inherits every module's state of
         the parent, e.g. the weight groups of a test process that also ran the sender side (a
-        native-path round then hung in the engine; reproduced in tests/integration/test_engine.py)."""
+        native-path round then hung in the engine; reproduced in tests/integration/test_engine.py).
+        `beside_build`: called once the engine-core process exists (`engine_core_forked`'s
+        `after_fork`), to start work that runs while the engine core builds (~3 s on CPU)."""
         import torch
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -268,7 +289,7 @@ class PolicyEngine:
         in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # CPU, model worker in the engine core
         vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
         fork = fork_engine_core and in_process and getattr(cfg, "engine_fork", None) is not False
-        with engine_core_forked(fork) as forked:
+        with engine_core_forked(fork, after_fork=beside_build) as forked:
             self.llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.engine_core_start = "forked" if forked else "spawned"  # reported in the actor's start line
         self._update_lock = asyncio.Lock()

@@ -122,10 +122,15 @@ class RolloutWorker:
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
         vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}
+        self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
+        loop = asyncio.get_running_loop()
+        # Serve's import and the handle's router in a thread while the engine core builds, started
+        # after its fork (not awaited: a verifier still deploying is looked up at the first turn)
+        prepare = (lambda: loop.run_in_executor(None, self.verifier.prepare)) if self.verifier is not None else None
         self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
                                    weight_bucket_mb=cfg.learner.weights.bucket_mb, fork_engine_core=True,
-                                   **vl_kw, **lora_engine_kwargs(cfg))
+                                   beside_build=prepare, **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
         # The engine is built at Ray's niceness: it is what the first step waits for (at 19 it got
         # ~30 % of a core against the learner's start, at 15 like the learner). Generating, it
@@ -133,7 +138,6 @@ class RolloutWorker:
         nice = rollout_cpu_nice(cfg.rollout.gpus_per_actor, cfg.rollout.cpu_nice)
         renice(nice)
         renice_children(nice)
-        self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         self.reward_fn = load_reward(cfg.reward)
         # the job's services, which may have started while the engine was being built
         self.coordinator = await _named_actor("coordinator", self.namespace, cfg.cluster.startup_timeout_s)

@@ -100,3 +100,46 @@ def test_a_child_forked_for_the_engine_closes_its_copies_of_the_parents_sockets(
         os.close(pipe_r)
         os.close(pipe_w)
         log_file.close()
+
+
+def test_work_beside_the_build_starts_in_the_parent_after_the_fork_once(monkeypatch) -> None:
+    """`after_fork` (the rollout actor's verifier warm-up thread) must not exist when the engine core
+    is forked (a thread holding an import lock at the fork hangs the child): it runs in the parent
+    right after the fork, once, never in the child, and not at all for a build that failed first."""
+    monkeypatch.setattr(engine, "_torch_threads", lambda: 1)
+    calls: list[tuple[int, bool]] = []
+
+    def after_fork() -> None:
+        calls.append((os.getpid(), engine._FORKING_ENGINE_CORE))
+
+    with engine.engine_core_forked(True, after_fork=after_fork):
+        assert calls == []  # not before the fork
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report whether the callback ran here, then leave
+            os.write(write, b"1" if calls else b"0")
+            os._exit(0)
+        os.close(write)
+        ran_in_child = os.read(read, 8)
+        os.close(read)
+        os.waitpid(pid, 0)
+        second = os.fork()  # another fork during the build: the callback does not run again
+        if second == 0:
+            os._exit(0)
+        os.waitpid(second, 0)
+    assert ran_in_child == b"0"
+    assert calls == [(os.getpid(), True)]
+    with pytest.raises(RuntimeError), engine.engine_core_forked(True, after_fork=after_fork):
+        raise RuntimeError("build failed before its fork")
+    pid = os.fork()  # a later fork of the process runs nothing
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert len(calls) == 1
+
+
+def test_work_beside_a_spawned_build_starts_before_it(monkeypatch) -> None:
+    monkeypatch.setattr(engine, "_torch_threads", lambda: 2)  # no fork: vLLM spawns, threads are safe
+    calls: list[str] = []
+    with engine.engine_core_forked(True, after_fork=lambda: calls.append("started")):
+        assert calls == ["started"]
