@@ -38,6 +38,22 @@ from asyncrl.learner import checkpoint as ckpt
 __all__ = ["LearnerGroup", "LearnerActor"]
 
 
+def _yield_while_building() -> bool:
+    """A CPU learner builds at the lowest priority (niceness 19) where it may raise it again
+    afterwards (`_raise_priority`: root or CAP_SYS_NICE), so the engine builds, which the first step
+    waits for longer, go first: on the 2-core quick start the learner is ready seconds before the
+    engine. Where it may not, nothing changes (a learner left at 19 would lose to the engines for
+    the whole job). Linux niceness is per thread: this is the calling thread, which builds and then
+    trains. Returns whether it yielded."""
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, now - 1)  # the permission `_raise_priority` will need
+    except OSError:
+        return False
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    return True
+
+
 def _raise_priority() -> None:
     """A CPU learner shares its cores with the rollout engines (niced by `rollout.cpu_nice`): undo
     the niceness 15 Ray starts its workers at, where the process may (root or CAP_SYS_NICE), so
@@ -82,6 +98,8 @@ class LearnerActor:
 
         if self.worker is not None:
             self.worker.close()
+        if cfg.learner.num_gpus == 0:
+            _yield_while_building()
         with starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
             self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
         if cfg.learner.num_gpus == 0:  # built at Ray's niceness, like the engines (see _raise_priority)

@@ -103,3 +103,21 @@ def test_a_cpu_learner_takes_back_rays_niceness_where_it_may():
     # unchanged, and no error
     may = _nice_after("exec('try: os.nice(-1)\\nexcept OSError: pass')") == 14
     assert after == (0 if may else 15)
+
+
+def test_a_cpu_learner_builds_at_19_only_where_it_can_raise_itself_again():
+    """During start-up the engine builds are the critical path: a CPU learner builds at 19 and then
+    raises itself (`_raise_priority`), but only where raising is permitted; otherwise a learner
+    left at 19 would lose to the engines for the whole job, so it stays where Ray started it."""
+    import os
+
+    if os.geteuid() == 0:  # root (this machine, CI): builds at 19, then trains at 0
+        assert _nice_after("from asyncrl.learner.group import _yield_while_building as y, _raise_priority as r; "
+                           "assert y() is True and os.nice(0) == 19; r()") == 0
+    unprivileged = ("import os as o; real = o.setpriority\n"
+                    "def deny(which, who, prio):\n"
+                    "    if prio < o.getpriority(which, who): raise PermissionError(13, 'denied')\n"
+                    "    real(which, who, prio)\n"
+                    "o.setpriority = deny\n"
+                    "from asyncrl.learner.group import _yield_while_building as y; assert y() is False")
+    assert _nice_after(f"exec({unprivileged!r})") == 15  # not yielded: nothing changed
