@@ -56,10 +56,10 @@ def _yield_while_building() -> bool:
 
 def _raise_priority() -> None:
     """A CPU learner shares its cores with the rollout engines (niced by `rollout.cpu_nice`): undo
-    the niceness 15 Ray starts its workers at, where the process may (root or CAP_SYS_NICE), so
-    the learner, the job's critical path, is scheduled first. Elsewhere nothing changes. Called
-    once the learner is built: during start-up the engine builds are the critical path (the
-    rollout actors renice themselves only after theirs)."""
+    the niceness Ray starts its workers at (15; 19 during the build, `_yield_while_building`), where
+    the process may (root or CAP_SYS_NICE), so the learner, the job's critical path, is scheduled
+    first. Elsewhere nothing changes. Called once the learner is built: during start-up the engine
+    builds are the critical path (the rollout actors renice themselves only after theirs)."""
     try:
         os.nice(-os.nice(0))
     except OSError:
@@ -102,7 +102,7 @@ class LearnerActor:
             _yield_while_building()
         with starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
             self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
-        if cfg.learner.num_gpus == 0:  # built at Ray's niceness, like the engines (see _raise_priority)
+        if cfg.learner.num_gpus == 0:  # built at 19 where permitted (else at Ray's 15): now train first
             _raise_priority()
         state = cfg.run_path / "state"
         if state.is_dir():  # which process is which rank (fault drills)
