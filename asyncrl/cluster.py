@@ -42,7 +42,8 @@ def job_runtime_env(cfg: Config) -> dict[str, Any]:
         **interface_env(cfg),
         **job_nccl_env(),  # one value in every process before its first NCCL communicator
     }
-    return {"py_modules": [str(package)], "excludes": ["__pycache__", "*.pyc"], "env_vars": env_vars}
+    return {"py_modules": [str(package)], "excludes": ["__pycache__", "*.pyc"], "env_vars": env_vars,
+            "worker_process_setup_hook": "asyncrl.ray_worker.setup"}  # no pyarrow per process (asyncrl.ray_worker)
 
 
 # ------------------------------------------------------------------------------------ resources

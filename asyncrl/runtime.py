@@ -70,7 +70,9 @@ def ray_init(cfg: Config, namespace: str) -> None:
     import ray
 
     from asyncrl.cluster import job_runtime_env
+    from asyncrl.ray_worker import defer_arrow_serializers
 
+    defer_arrow_serializers()  # the driver's serialization context is built inside ray.init
     env = job_runtime_env(cfg)
     env["env_vars"].update(worker_env())  # role log files (asyncrl.logs); empty in verbose mode
     if cfg.cluster.ray_address:

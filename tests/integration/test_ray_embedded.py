@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from asyncrl.cluster import probe_this_node
+from asyncrl.cluster import job_runtime_env, probe_this_node
 from asyncrl.config import Config
 from asyncrl.runtime import embedded_ray_options
 
@@ -42,8 +42,9 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
     cfg = Config.model_validate({"model": {"path": "policy-dir"}, "rollout": {"max_num_batched_tokens": 2048}})
     options = embedded_ray_options(cfg)
     assert options["include_dashboard"] is False and options["_node_ip_address"] == "127.0.0.1"
-    ray.init(**options, runtime_env={"env_vars": {"ASYNCRL_TEST_JOB_ENV": "1"}}, logging_level="WARNING",
-             log_to_driver=False)
+    runtime_env = job_runtime_env(cfg)  # the job's own: the package, its env vars, its worker setup hook
+    runtime_env["env_vars"]["ASYNCRL_TEST_JOB_ENV"] = "1"
+    ray.init(**options, runtime_env=runtime_env, logging_level="WARNING", log_to_driver=False)
     try:
         raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
         probes = probe_this_node()  # the preflight's node probe on the embedded cluster
@@ -62,9 +63,17 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
             def job_env(self) -> str:
                 return os.environ.get("ASYNCRL_TEST_JOB_ENV", "")
 
+            def imported(self, name: str) -> bool:
+                import sys
+
+                return name in sys.modules
+
         probe = Probe.remote()
         actor_pid = ray.get(probe.pid.remote(), timeout=120)
         assert ray.get(probe.job_env.remote(), timeout=60) == "1"  # the job's runtime_env reached the actor
+        # its setup hook too: Ray's serialization context (built for the calls above) imported pyarrow
+        # in every worker before (asyncrl.ray_worker)
+        assert ray.get(probe.imported.remote("pyarrow"), timeout=60) is False
         time.sleep(3)  # a prestart is issued when the driver registers; give it time to show
         assert _python_workers(raylet) == {actor_pid}  # num_cpus (>= 4) idle workers without the option
     finally:

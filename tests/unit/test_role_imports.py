@@ -1,11 +1,15 @@
 """Roles never import each other: no module under `asyncrl/actors` imports `asyncrl.learner`, no
 module under `asyncrl/learner` imports `asyncrl.actors`, and `asyncrl/weights` (the wire both
 share) imports neither. A static check over the source with `ast` (function-level imports count
-too), so it also holds for imports that only run on a GPU or inside an actor."""
+too), so it also holds for imports that only run on a GPU or inside an actor. Below: processes that must not import
+the heavy libraries they do not use (torch, datasets, and pyarrow through Ray's serialization context),
+each checked in a fresh interpreter."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,10 +69,42 @@ def test_the_check_sees_function_level_and_from_imports(tmp_path):
 ])
 def test_torch_free_processes_import_no_torch(what, code):
     """A fresh interpreter runs the code and reports what came with it."""
-    import subprocess
-    import sys
-
     code += "; import sys; print(sorted(m for m in ('torch', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", f"{what}: {out.stdout}"
+
+
+_SERIALIZATION_CONTEXT = """
+import sys
+{pre}
+from ray.util import serialization_addons
+
+class Recorder:  # stands in for Ray's SerializationContext: records what registers a serializer
+    def __init__(self):
+        self.types = []
+    def _register_cloudpickle_serializer(self, cls, custom_serializer, custom_deserializer):
+        self.types.append(cls.__module__.split(".")[0])
+    def _register_cloudpickle_reducer(self, cls, reducer):
+        self.types.append(cls.__module__.split(".")[0])
+
+ctx = Recorder()
+serialization_addons.apply(ctx)  # what Ray runs when it builds a process's serialization context
+print("pyarrow" in sys.modules, "pyarrow" in ctx.types)
+"""
+
+
+@pytest.mark.parametrize("pre, expected", [
+    # Ray's own behaviour (the reason for the hook): building the context imports pyarrow (~0.5-1 s)
+    # and registers Ray Data's Arrow serializers, in every process of the job
+    ("", "True True"),
+    # with the hook (every worker of the job, and the launcher before ray.init): no pyarrow
+    ("from asyncrl.ray_worker import defer_arrow_serializers; assert defer_arrow_serializers()", "False False"),
+    # a process that already uses Arrow keeps Ray's serializers
+    ("import pyarrow; from asyncrl.ray_worker import defer_arrow_serializers; defer_arrow_serializers()", "True True"),
+])
+def test_ray_serialization_context_imports_pyarrow_only_where_it_is_used(pre, expected):
+    out = subprocess.run([sys.executable, "-c", _SERIALIZATION_CONTEXT.format(pre=pre)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == expected.split()
