@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.cluster import job_runtime_env, probe_this_node
 from asyncrl.config import Config
+from asyncrl.ray_lean import without_api_server
 from asyncrl.runtime import embedded_ray_options
 
 pytestmark = pytest.mark.integration
@@ -44,8 +45,12 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
     assert options["include_dashboard"] is False and options["_node_ip_address"] == "127.0.0.1"
     runtime_env = job_runtime_env(cfg)  # the job's own: the package, its env vars, its worker setup hook
     runtime_env["env_vars"]["ASYNCRL_TEST_JOB_ENV"] = "1"
-    ray.init(**options, runtime_env=runtime_env, logging_level="WARNING", log_to_driver=False)
+    with without_api_server() as lean:  # as asyncrl.runtime.ray_init starts it
+        ray.init(**options, runtime_env=runtime_env, logging_level="WARNING", log_to_driver=False)
     try:
+        # no API server (`dashboard.py`: Ray starts it even with include_dashboard=False, and waits for it)
+        assert lean and not [p.pid for p in psutil.process_iter(["cmdline"])
+                             if any("dashboard/dashboard.py" in part for part in (p.info["cmdline"] or []))]
         raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
         probes = probe_this_node()  # the preflight's node probe on the embedded cluster
         node = ray.nodes()[0]
@@ -72,7 +77,7 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
         actor_pid = ray.get(probe.pid.remote(), timeout=120)
         assert ray.get(probe.job_env.remote(), timeout=60) == "1"  # the job's runtime_env reached the actor
         # its setup hook too: Ray's serialization context (built for the calls above) imported pyarrow
-        # in every worker before (asyncrl.ray_worker)
+        # in every worker before (asyncrl.ray_lean)
         assert ray.get(probe.imported.remote("pyarrow"), timeout=60) is False
         time.sleep(3)  # a prestart is issued when the driver registers; give it time to show
         assert _python_workers(raylet) == {actor_pid}  # num_cpus (>= 4) idle workers without the option

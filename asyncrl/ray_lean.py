@@ -1,0 +1,97 @@
+"""Ray with only what an asyncrl job uses: two parts of Ray's own start-up that cost every launch
+seconds and give the job nothing. Both reach into Ray's private modules (checked against Ray 2.60);
+where a name moved, each leaves Ray as it is and logs why, so a Ray upgrade costs speed, not a run.
+
+1. **Arrow serializers** (`defer_arrow_serializers`, run in every process of the job: the job's
+   `worker_process_setup_hook`, asyncrl.cluster.job_runtime_env, and the launcher before `ray.init`).
+   Ray builds one serialization context per job in every worker and in the driver, and building it
+   imports pyarrow (`ray.util.serialization_addons.apply` -> `ray._private.arrow_serialization.
+   _register_custom_datasets_serializers`, faster reducers for Ray Data's Arrow tables). No process
+   of an asyncrl job sends Arrow data through Ray, yet each paid that import: ~0.5 CPU-s per process
+   on the project's 2-core machine (~1 s in a slow hour), in the launcher, coordinator, buffer,
+   weight store, learner and rollout actor of a quick start. The replacement registers them only
+   where pyarrow is already imported (a driver that read parquet through `datasets`, say). What a
+   skipped process loses: an Arrow table it returns through Ray later is pickled by pyarrow's own
+   `__reduce__` (correct; a slice then carries its whole buffer). A receiving process needs no
+   registration (the rebuild function travels with the data).
+
+2. **The head's API server** (`without_api_server`, the embedded single-host cluster only).
+   `ray.init(include_dashboard=False)` still starts `dashboard.py` with only its usage-stats module
+   (Ray's own TODO: "Modules like job or state APIs should be loaded although dashboard is
+   disabled") and then polls, before the raylet is even started, until that process has booted and
+   written its address: ~2 s of every launch's critical path (1.6 s of it `time.sleep`) and
+   1.2-1.7 CPU-s, for a process that serves nothing here (usage stats are off: RAY_USAGE_STATS_
+   ENABLED=0 in the quick start; the job and state APIs are not loaded without the dashboard).
+   Without it, Ray behaves as when the dashboard fails to start: `dashboard_url` is None. A cluster
+   the job joins (`cluster.ray_address`) is started by `ray start` and keeps its dashboard.
+
+Tests: tests/unit/test_role_imports.py (Ray's addons with and without the deferral),
+tests/integration/test_ray_embedded.py (a real embedded cluster: no API server process, and a worker
+under the job's runtime_env that has not imported pyarrow).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+_ARROW_REGISTER = "_register_custom_datasets_serializers"
+
+
+def defer_arrow_serializers() -> bool:
+    """Replace Ray's Arrow serializer registration with one that runs only where pyarrow is already
+    imported. Returns whether the replacement is in place (idempotent)."""
+    try:
+        from ray._private import arrow_serialization
+    except ImportError:
+        logger.info("ray._private.arrow_serialization not found: Ray's Arrow serializers left as they are")
+        return False
+    register = getattr(arrow_serialization, _ARROW_REGISTER, None)
+    if register is None:
+        logger.info("ray._private.arrow_serialization.%s not found: left as it is", _ARROW_REGISTER)
+        return False
+    if getattr(register, "_asyncrl_deferred", False):
+        return True
+
+    def register_if_arrow_loaded(serialization_context: object) -> None:
+        if "pyarrow" in sys.modules:
+            register(serialization_context)
+
+    register_if_arrow_loaded._asyncrl_deferred = True  # type: ignore[attr-defined]
+    setattr(arrow_serialization, _ARROW_REGISTER, register_if_arrow_loaded)
+    return True
+
+
+def worker_setup() -> None:
+    """The job's `worker_process_setup_hook`: runs in every Ray worker of the job before its first task."""
+    defer_arrow_serializers()
+
+
+@contextlib.contextmanager
+def without_api_server() -> Iterator[bool]:
+    """Around the `ray.init` that starts the embedded head: the head starts no API server
+    (`dashboard.py`) and does not wait for one. Yields whether that is so; restores Ray after."""
+    try:
+        from ray._private.node import Node
+    except ImportError:
+        logger.info("ray._private.node.Node not found: the head starts its API server as usual")
+        yield False
+        return
+    original = getattr(Node, "start_api_server", None)
+    if original is None:
+        logger.info("ray._private.node.Node.start_api_server not found: the head starts its API server as usual")
+        yield False
+        return
+
+    def skip_api_server(self: Node, *args: object, **kwargs: object) -> None:
+        logger.debug("embedded head: no API server (asyncrl.ray_lean.without_api_server)")
+
+    Node.start_api_server = skip_api_server  # type: ignore[method-assign]
+    try:
+        yield True
+    finally:
+        Node.start_api_server = original  # type: ignore[method-assign]
