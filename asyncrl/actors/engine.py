@@ -238,9 +238,13 @@ class PolicyEngine:
         native-path round then hung in the engine; reproduced in tests/integration/test_engine.py).
         `beside_build`: called once the engine-core process exists (`engine_core_forked`'s
         `after_fork`), to start work that runs while the engine core builds (~3 s on CPU)."""
-        import torch
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from asyncrl.startup import gc_paused
+
+        # vLLM's imports (here and in its engine config below) without the cyclic GC: ~20 % less CPU
+        with gc_paused():
+            import torch
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
 
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.on_gpu = torch.cuda.is_available() and cfg.gpus_per_actor > 0
@@ -287,7 +291,8 @@ class PolicyEngine:
         env = engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process)
         apply_engine_env(env)
         in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # CPU, model worker in the engine core
-        vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
+        with gc_paused():  # left before the engine core is forked: the child would inherit it off
+            vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
         fork = fork_engine_core and in_process and getattr(cfg, "engine_fork", None) is not False
         with engine_core_forked(fork, after_fork=beside_build) as forked:
             self.llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)

@@ -104,21 +104,25 @@ class RolloutWorker:
             return await self._start()
 
     async def _start(self) -> dict[str, Any]:
-        import ray
-        from transformers import AutoTokenizer
+        from asyncrl.startup import gc_paused
 
-        from asyncrl.actors.engine import PolicyEngine
-        from asyncrl.actors.guided import PolicyChat
-        from asyncrl.replay import BufferClient, PushWindow
-        from asyncrl.rewards import load_reward
-        from asyncrl.serve.client import VerifierClient
+        with gc_paused():  # transformers' import and the tokenizer's (the engine's: in PolicyEngine)
+            import ray
+            from transformers import AutoTokenizer
+
+            from asyncrl.actors.engine import PolicyEngine
+            from asyncrl.actors.guided import PolicyChat
+            from asyncrl.replay import BufferClient, PushWindow
+            from asyncrl.rewards import load_reward
+            from asyncrl.serve.client import VerifierClient
 
         t0 = time.time()
         cfg = self.cfg
         if self.engine is not None:  # start() again on a live actor (after a failed loop)
             self.engine.shutdown()
         _kill_orphans(self._pid_file())  # engine processes left by a previous incarnation (SIGKILL/OOM)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        with gc_paused():
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
         vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}

@@ -87,20 +87,22 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, cfg_json: str, rank: int, world_size: int, master_addr: str, master_port: int) -> int:
-        import torch
+        from asyncrl.startup import gc_paused, starting
 
         cfg = Config.model_validate_json(cfg_json)
         os.environ.setdefault("LOCAL_RANK", "0")
-        if cfg.learner.num_gpus == 0:
-            torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
-        from asyncrl.learner.learner import LearnerWorker
-        from asyncrl.startup import starting
-
         if self.worker is not None:
             self.worker.close()
         if cfg.learner.num_gpus == 0:
             _yield_while_building()
-        with starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
+        # torch's, DeepSpeed's and transformers' imports and the build without the cyclic GC (less CPU)
+        with gc_paused(), starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
+            import torch
+
+            if cfg.learner.num_gpus == 0:
+                torch.set_num_threads(max(1, int(cfg.learner.cpus_per_rank)))
+            from asyncrl.learner.learner import LearnerWorker
+
             self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
         if cfg.learner.num_gpus == 0:  # built at 19 where permitted (else at Ray's 15): now train first
             _raise_priority()

@@ -5,6 +5,8 @@ each overridable."""
 import subprocess
 import sys
 
+import pytest
+
 from asyncrl.config import Config, engine_env, rollout_cpu_nice
 
 
@@ -121,3 +123,48 @@ def test_a_cpu_learner_builds_at_19_only_where_it_can_raise_itself_again():
                     "o.setpriority = deny\n"
                     "from asyncrl.learner.group import _yield_while_building as y; assert y() is False")
     assert _nice_after(f"exec({unprivileged!r})") == 15  # not yielded: nothing changed
+
+
+def test_gc_paused_turns_the_collector_off_inside_and_restores_it():
+    """`asyncrl.startup.gc_paused` (around the rollout actor's and the learner's imports): off inside,
+    as it was after, also after an error, and never turned on by it where it was off."""
+    import gc
+
+    from asyncrl.startup import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():  # nested (the actor's imports, then the engine's inside them)
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner one restores "off", not "on"
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("a failed import")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+
+
+def test_the_engine_core_is_forked_with_the_collector_on():
+    """The rollout actor pauses the GC around vLLM's imports and engine config, and must leave the
+    pause before vLLM forks its engine core (a child forked inside would run its whole life without
+    the collector). Checked on the source: the engine's construction is outside every pause."""
+    import ast
+    import inspect
+    import textwrap
+
+    from asyncrl.actors.engine import PolicyEngine
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(PolicyEngine.__init__)))
+    paused = [n for n in ast.walk(tree) if isinstance(n, ast.With)
+              and any("gc_paused" in ast.unparse(item.context_expr) for item in n.items)]
+    assert paused, "PolicyEngine no longer pauses the GC around its imports"
+    inside = {ast.unparse(n) for w in paused for n in ast.walk(w) if isinstance(n, ast.Call)}
+    assert not any("from_vllm_config" in call for call in inside)
+    assert any("create_engine_config" in call for call in inside)
