@@ -20,8 +20,9 @@ where a name moved, each leaves Ray as it is and logs why, so a Ray upgrade cost
    (Ray's own TODO: "Modules like job or state APIs should be loaded although dashboard is
    disabled") and then polls, before the raylet is even started, until that process has booted and
    written its address: ~2 s of every launch's critical path (1.6 s of it `time.sleep`) and
-   1.2-1.7 CPU-s, for a process that serves nothing here (usage stats are off: RAY_USAGE_STATS_
-   ENABLED=0 in the quick start; the job and state APIs are not loaded without the dashboard).
+   1.2-1.7 CPU-s, for a process that serves nothing here (the job and state APIs are not loaded
+   without the dashboard; the Makefile sets RAY_USAGE_STATS_ENABLED=0, and where usage stats are on
+   they are simply not reported from an embedded job).
    Without it, Ray behaves as when the dashboard fails to start: `dashboard_url` is None. A cluster
    the job joins (`cluster.ray_address`) is started by `ray start` and keeps its dashboard.
 
