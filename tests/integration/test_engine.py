@@ -91,7 +91,7 @@ def setup(tmp_path_factory, request):
     else:
         path, prompt = build_tiny_qwen(tmp_path_factory.mktemp("tiny") / "policy"), PROMPT
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    cfg = RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=16, max_num_batched_tokens=1024,
+    cfg = RolloutConfig(cpu_kvcache_gb=0.25, max_num_seqs=16, max_num_batched_tokens=1024,
                         weight_transfer=request.param)
     lt = LoopThread()
 
@@ -101,7 +101,7 @@ def setup(tmp_path_factory, request):
 
     engine = lt.run(make())
     print(f"\nengine on {path} (prompt of {len(prompt)} tokens, weight path {request.param})")
-    yield SimpleNamespace(engine=engine, hf=hf, lt=lt, path=path, prompt=prompt)
+    yield SimpleNamespace(engine=engine, hf=hf, lt=lt, path=path, prompt=prompt, store_name=None)
     engine.shutdown()
     lt.loop.call_soon_threadsafe(lt.loop.stop)
 
@@ -189,22 +189,11 @@ def test_failed_buffered_round_leaves_the_model_exactly_as_it_was(setup):
     assert s.engine.version == before_v + 1
 
 
-def test_late_joiner_catches_up_from_weight_store(setup):
-    import ray
-
-    from asyncrl.weights.sender import WeightSender
-
+def test_late_joiner_catches_up_from_weight_store(setup, ray_cluster):
     s = setup
-    from asyncrl.weights.store import start_weight_store
-
-    ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine-weights", log_to_driver=False)
-    try:
-        start_weight_store("test-engine-weights")  # the topology starts it in a real job
+    with ray_session(s, "late-joiner"):
         newer = perturbed(s.hf, 0.05, seed=2)
-        publisher = WeightSender(SimpleNamespace(bucket_mb=0.06, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
-                                 publish=True)  # no members: the learner publishes, nobody listens yet
-        assert publisher.broadcast(newer.named_parameters(), 5).published
-        publisher.close()
+        _publish(s, newer, 5)  # no members: the learner publishes, nobody listens yet
         res = s.lt.run(s.engine.load_weights_from_store())
         assert res["status"] == "ok" and s.engine.version == 5
         assert s.lt.run(s.engine.load_weights_from_store())["status"] == "up_to_date"
@@ -212,8 +201,6 @@ def test_late_joiner_catches_up_from_weight_store(setup):
         diff = max_logprob_diff(s, newer, gens)
         print(f"\nlate joiner: max diff vs store weights: {diff:.2e}")
         assert diff < 1e-4 and all(set(g.versions) == {5} for g in gens)
-    finally:
-        ray.shutdown()
 
 
 def test_in_flight_update_stamps_both_versions(setup):
@@ -256,25 +243,42 @@ def test_in_flight_update_stamps_both_versions(setup):
     sender.close()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray for the module's weight-store tests; each test gets its own, empty store
+    (`ray_session`). A Ray start and stop per test cost ~8 s each on the 2-core machine, ten times."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace="test-engine", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @contextlib.contextmanager
-def ray_session(namespace: str):
+def ray_session(s, store: str):
+    """A fresh, empty weight store named `store` (the topology starts one in a real job) that the
+    engine and `_publish` use for the block; removed afterwards. Needs the `ray_cluster` fixture."""
     import ray
 
     from asyncrl.weights.store import start_weight_store
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    assert ray.is_initialized(), "a test using ray_session must request the ray_cluster fixture"
+    handle = start_weight_store("test-engine", name=f"weights-{store}")
+    saved = s.engine.store_name
+    s.engine.store_name = s.store_name = f"weights-{store}"
     try:
-        start_weight_store(namespace)  # the topology starts it in a real job
         yield
     finally:
-        ray.shutdown()
+        s.engine.store_name = saved
+        s.store_name = None
+        handle.shutdown()
 
 
 def _publish(s, model, version: int) -> None:
     from asyncrl.weights.sender import WeightSender
 
     publisher = WeightSender(SimpleNamespace(bucket_mb=0.06, backend="gloo", timeout_s=30.0, host="127.0.0.1"),
-                             publish=True)
+                             publish=True, store_name=s.store_name)
     assert publisher.broadcast(model.named_parameters(), version).published
     publisher.close()  # waits for the background publish
 
@@ -300,7 +304,7 @@ def _streamed(s, session: str):
     the engine goes back to buffered rounds afterwards, also on failure."""
     s.engine.weight_buffered = False
     try:
-        with ray_session(session):
+        with ray_session(s, session):
             yield
     finally:
         s.engine.weight_buffered = True
@@ -311,13 +315,13 @@ def _events_since_last_pause(engine) -> list[str]:
     return names[len(names) - 1 - names[::-1].index("pause"):]
 
 
-def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(setup):
+def test_streamed_round_failing_half_way_never_generates_on_a_half_loaded_model(setup, ray_cluster):
     # Streaming mode (the GPU default) forced on the CPU engine: the round breaks after its
     # first bucket, when vLLM's layer-wise reload has seen part of the model. The engine must
     # reload the newest full version from the WeightStore inside the same pause, produce no
     # token in between, resume on exactly the store's weights and report the version it holds.
     s = setup
-    with _streamed(s, "test-engine-safe-load"):
+    with _streamed(s, "safe-load"):
         stored = perturbed(s.hf, 0.05, seed=21)
         _publish(s, stored, 20)
         s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
@@ -365,7 +369,7 @@ def _bytes_through(model, last: str) -> int:
     raise AssertionError(f"no parameter named {last}*")
 
 
-def test_round_failing_inside_a_fused_projection_leaves_every_parameter_as_the_store_version(setup):
+def test_round_failing_inside_a_fused_projection_leaves_every_parameter_as_the_store_version(setup, ray_cluster):
     # Streamed (the GPU default), the round breaks right after a bucket that ends inside layer 0's
     # fused qkv_proj: q_proj arrived, k_proj and v_proj did not. The engine reloads the store's
     # version inside the same pause; afterwards EVERY parameter of the vLLM model (the fused ones
@@ -374,7 +378,7 @@ def test_round_failing_inside_a_fused_projection_leaves_every_parameter_as_the_s
     # qkv_proj kept its buffered q_proj into the store reload, counted it twice, was processed
     # before k and v arrived (their rows never written) and dropped them as "excessive loading".
     s = setup
-    with _streamed(s, "test-engine-fused"):
+    with _streamed(s, "fused"):
         stored = perturbed(s.hf, 0.05, seed=41)
         _publish(s, stored, 40)
         assert s.lt.run(s.engine.load_weights_from_store(min_version=-1))["status"] == "ok"
@@ -393,7 +397,7 @@ def test_round_failing_inside_a_fused_projection_leaves_every_parameter_as_the_s
         assert max_logprob_diff(s, stored, sample_many(s, 2, seed0=1000)) < 1e-4
 
 
-def test_paused_engine_keeps_catching_up_until_the_store_has_a_version(setup):
+def test_paused_engine_keeps_catching_up_until_the_store_has_a_version(setup, ray_cluster):
     # A streamed round fails while the store holds nothing (a job's store always holds version 0
     # since the topology publishes it; here it is empty on purpose): the engine cannot resume on
     # half-loaded weights, so it stays paused. It must not wait for a broadcast that a starving
@@ -401,7 +405,7 @@ def test_paused_engine_keeps_catching_up_until_the_store_has_a_version(setup):
     import time as _t
 
     s = setup
-    with _streamed(s, "test-engine-catch-up"):
+    with _streamed(s, "catch-up"):
         s.lt.run(s.engine.llm.collective_rpc("asyncrl_inject_fault", args=("fail_mid_stream",)))
         res = _group_update(s, perturbed(s.hf, 0.05, seed=51), 51)
         assert res["status"] == "paused_unsafe" and res["recovered"]["status"] == "no_store" and s.engine.unsafe
@@ -417,11 +421,11 @@ def test_paused_engine_keeps_catching_up_until_the_store_has_a_version(setup):
         assert max_logprob_diff(s, stored, gens) < 1e-4 and all(set(g.versions) == {50} for g in gens)
 
 
-def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_persists(setup):
+def test_fingerprint_mismatch_is_healed_from_the_store_and_fails_loudly_if_it_persists(setup, ray_cluster):
     from asyncrl.actors.engine import WeightIntegrityError
 
     s = setup
-    with ray_session("test-engine-fingerprint"):
+    with ray_session(s, "fingerprint"):
         stored = perturbed(s.hf, 0.05, seed=31)
         _publish(s, stored, 30)
         clean = _group_update(s, perturbed(s.hf, 0.05, seed=32), 31)  # a clean round: checked, matches
