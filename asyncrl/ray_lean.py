@@ -15,20 +15,29 @@ where a name moved, each leaves Ray as it is and logs why, so a Ray upgrade cost
    `__reduce__` (correct; a slice then carries its whole buffer). A receiving process needs no
    registration (the rebuild function travels with the data).
 
-2. **The head's API server** (`without_api_server`, the embedded single-host cluster only).
-   `ray.init(include_dashboard=False)` still starts `dashboard.py` with only its usage-stats module
-   (Ray's own TODO: "Modules like job or state APIs should be loaded although dashboard is
-   disabled") and then polls, before the raylet is even started, until that process has booted and
-   written its address: ~2 s of every launch's critical path (1.6 s of it `time.sleep`) and
-   1.2-1.7 CPU-s, for a process that serves nothing here (the job and state APIs are not loaded
-   without the dashboard; the Makefile sets RAY_USAGE_STATS_ENABLED=0, and where usage stats are on
-   they are simply not reported from an embedded job).
-   Without it, Ray behaves as when the dashboard fails to start: `dashboard_url` is None. A cluster
-   the job joins (`cluster.ray_address`) is started by `ray start` and keeps its dashboard.
+2. **The embedded head's idle daemons** (`lean_head`, the embedded single-host cluster only).
+   - The API server: `ray.init(include_dashboard=False)` still starts `dashboard.py` with only its
+     usage-stats module (Ray's own TODO: "Modules like job or state APIs should be loaded although
+     dashboard is disabled") and then polls, before the raylet is even started, until that process
+     has booted and written its address: ~2 s of every launch's critical path (1.6 s of it
+     `time.sleep`) and 1.2-1.7 CPU-s, for a process that serves nothing here (the job and state APIs
+     are not loaded without the dashboard; the Makefile sets RAY_USAGE_STATS_ENABLED=0, and where
+     usage stats are on they are simply not reported from an embedded job). Without it, Ray behaves
+     as when the dashboard fails to start: `dashboard_url` is None.
+   - The autoscaler monitor (`monitor.py`): a single host with no autoscaling config has nothing to
+     scale; it cost 0.6-0.8 CPU-s while the job starts and ~0.2 % of a core after. What is lost:
+     `ray status` against the embedded cluster shows no autoscaler report (Ray Serve's replica
+     autoscaling is its controller's, not this process's).
+   - The log monitor (`log_monitor.py`), only when nothing reads what it streams: it tails every
+     worker's log files to publish their lines to the driver, which prints them only with
+     `log_to_driver` (asyncrl's verbose mode; quiet, the actors write to <run_dir>/logs/ and the
+     driver prints its own lines). 0.6-0.9 CPU-s while the job starts, ~0.8 % of a core for the whole
+     run (it polls the log directory).
+   A cluster the job joins (`cluster.ray_address`) is started by `ray start` and keeps all of them.
 
 Tests: tests/unit/test_role_imports.py (Ray's addons with and without the deferral),
-tests/integration/test_ray_embedded.py (a real embedded cluster: no API server process, and a worker
-under the job's runtime_env that has not imported pyarrow).
+tests/integration/test_ray_embedded.py (a real embedded cluster: no API server, autoscaler monitor or
+quiet-mode log monitor process, and a worker under the job's runtime_env that has not imported pyarrow).
 """
 
 from __future__ import annotations
@@ -73,26 +82,31 @@ def worker_setup() -> None:
 
 
 @contextlib.contextmanager
-def without_api_server() -> Iterator[bool]:
-    """Around the `ray.init` that starts the embedded head: the head starts no API server
-    (`dashboard.py`) and does not wait for one. Yields whether that is so; restores Ray after."""
+def lean_head(log_monitor: bool) -> Iterator[list[str]]:
+    """Around the `ray.init` that starts the embedded head: the head starts no API server (and
+    does not wait for one), no autoscaler monitor and, unless `log_monitor` (the driver prints its
+    workers' lines: `log_to_driver`), no log monitor. Yields the daemons left out (empty where Ray's
+    private names moved: Ray then starts them as usual, with a log line); restores Ray after."""
     try:
         from ray._private.node import Node
     except ImportError:
-        logger.info("ray._private.node.Node not found: the head starts its API server as usual")
-        yield False
+        logger.info("ray._private.node.Node not found: the embedded head starts all its daemons as usual")
+        yield []
         return
-    original = getattr(Node, "start_api_server", None)
-    if original is None:
-        logger.info("ray._private.node.Node.start_api_server not found: the head starts its API server as usual")
-        yield False
-        return
+    daemons = ["start_api_server", "start_monitor"] + ([] if log_monitor else ["start_log_monitor"])
+    originals = {name: getattr(Node, name) for name in daemons if callable(getattr(Node, name, None))}
+    for name in sorted(set(daemons) - set(originals)):
+        logger.info("ray._private.node.Node.%s not found: the embedded head starts it as usual", name)
 
-    def skip_api_server(self: Node, *args: object, **kwargs: object) -> None:
-        logger.debug("embedded head: no API server (asyncrl.ray_lean.without_api_server)")
+    def skipping(name: str):
+        def skip(self: Node, *args: object, **kwargs: object) -> None:
+            logger.debug("embedded head: %s skipped (asyncrl.ray_lean.lean_head)", name)
+        return skip
 
-    Node.start_api_server = skip_api_server  # type: ignore[method-assign]
+    for name in originals:
+        setattr(Node, name, skipping(name))
     try:
-        yield True
+        yield [name.removeprefix("start_") for name in originals]
     finally:
-        Node.start_api_server = original  # type: ignore[method-assign]
+        for name, original in originals.items():
+            setattr(Node, name, original)

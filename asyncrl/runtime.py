@@ -70,7 +70,7 @@ def ray_init(cfg: Config, namespace: str) -> None:
     import ray
 
     from asyncrl.cluster import job_runtime_env
-    from asyncrl.ray_lean import defer_arrow_serializers, without_api_server
+    from asyncrl.ray_lean import defer_arrow_serializers, lean_head
 
     defer_arrow_serializers()  # the driver's serialization context is built inside ray.init
     env = job_runtime_env(cfg)
@@ -85,7 +85,8 @@ def ray_init(cfg: Config, namespace: str) -> None:
                 " (a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here)")
             raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}{hint}") from exc
     else:
-        with without_api_server():  # it would serve nothing here and costs ~2 s of ray.init (asyncrl.ray_lean)
+        # no API server, autoscaler monitor or (quiet) log monitor: nothing here uses them (asyncrl.ray_lean)
+        with lean_head(log_monitor=verbose()):
             ray.init(**embedded_ray_options(cfg), namespace=namespace, runtime_env=env, logging_level="WARNING",
                      log_to_driver=verbose())  # quiet mode: the actors write to <run_dir>/logs/ (asyncrl.logs)
 

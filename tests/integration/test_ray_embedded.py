@@ -1,4 +1,5 @@
-"""The embedded Ray cluster starts no idle workers the job cannot use (asyncrl.runtime.embedded_ray_options).
+"""The embedded Ray cluster starts no idle workers the job cannot use (asyncrl.runtime.embedded_ray_options)
+and none of the head daemons it does not use (asyncrl.ray_lean.lean_head).
 
 Without the option, the raylet prestarts one default worker per CPU when the driver connects; they
 have no runtime_env, so the job's actors (all created under the job's runtime_env) get workers of
@@ -14,7 +15,7 @@ import pytest
 
 from asyncrl.cluster import job_runtime_env, probe_this_node
 from asyncrl.config import Config
-from asyncrl.ray_lean import without_api_server
+from asyncrl.ray_lean import lean_head
 from asyncrl.runtime import embedded_ray_options
 
 pytestmark = pytest.mark.integration
@@ -37,6 +38,18 @@ def _python_workers(raylet: psutil.Process) -> set[int]:
     return workers
 
 
+DAEMONS = ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private/log_monitor.py")
+
+
+def _ray_scripts() -> set[str]:
+    """Which of Ray's optional head daemons (`DAEMONS`) run on this machine."""
+    running = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        for part in proc.info["cmdline"] or []:
+            running.update(d for d in DAEMONS if part.endswith(d))
+    return running
+
+
 def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
     import ray
 
@@ -45,12 +58,13 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
     assert options["include_dashboard"] is False and options["_node_ip_address"] == "127.0.0.1"
     runtime_env = job_runtime_env(cfg)  # the job's own: the package, its env vars, its worker setup hook
     runtime_env["env_vars"]["ASYNCRL_TEST_JOB_ENV"] = "1"
-    with without_api_server() as lean:  # as asyncrl.runtime.ray_init starts it
+    with lean_head(log_monitor=False) as skipped:  # as asyncrl.runtime.ray_init starts it (quiet mode)
         ray.init(**options, runtime_env=runtime_env, logging_level="WARNING", log_to_driver=False)
     try:
-        # no API server (`dashboard.py`: Ray starts it even with include_dashboard=False, and waits for it)
-        assert lean and not [p.pid for p in psutil.process_iter(["cmdline"])
-                             if any("dashboard/dashboard.py" in part for part in (p.info["cmdline"] or []))]
+        # no API server (`dashboard.py`: Ray starts it even with include_dashboard=False, and waits for
+        # it), no autoscaler monitor, no log monitor (a plain ray.init starts all three: checked)
+        assert skipped == ["api_server", "monitor", "log_monitor"]
+        assert _ray_scripts() == set()
         raylet = next(p for p in psutil.Process().children(recursive=True) if p.name() == "raylet")
         probes = probe_this_node()  # the preflight's node probe on the embedded cluster
         node = ray.nodes()[0]
@@ -83,3 +97,19 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
         assert _python_workers(raylet) == {actor_pid}  # num_cpus (>= 4) idle workers without the option
     finally:
         ray.shutdown()
+
+
+def test_verbose_mode_keeps_the_log_monitor_and_ray_is_restored_after() -> None:
+    # log_to_driver (asyncrl's verbose mode) needs the log monitor: it publishes the workers' lines
+    import ray
+    from ray._private.node import Node
+
+    originals = (Node.start_api_server, Node.start_monitor, Node.start_log_monitor)
+    with lean_head(log_monitor=True) as skipped:
+        ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+    try:
+        assert skipped == ["api_server", "monitor"]
+        assert _ray_scripts() == {"_private/log_monitor.py"}
+    finally:
+        ray.shutdown()
+    assert (Node.start_api_server, Node.start_monitor, Node.start_log_monitor) == originals
