@@ -11,6 +11,9 @@ export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONWARNINGS ?= ignore::DeprecationWarning
 CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
+# `make test` runs its test files on this many pytest-xdist workers (one file per worker at a time:
+# a file's module-scoped Ray cluster stays in one process); 0 runs them in this process, one by one.
+TEST_WORKERS ?= 2
 
 .PHONY: install run test test-all lint bench bench-trl clean
 
@@ -21,7 +24,7 @@ run: install
 	$(PY) -m asyncrl.launch --config $(CONFIG) $(ARGS)
 
 test: install
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: install
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,6 +188,13 @@ def _ctl(run: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           env=_env(), capture_output=True, text=True, timeout=600)
 
 
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # ended meanwhile
+        return ""
+
+
 @pytest.mark.slow
 def test_faults_kill_scale_swap_sigterm_resume(tmp_path: Path) -> None:
     """Kill a rollout actor's process, scale 1 -> 2 -> 1, swap the verifier version, SIGTERM the
@@ -207,8 +215,8 @@ def test_faults_kill_scale_swap_sigterm_resume(tmp_path: Path) -> None:
             swapped = _ctl(run, "swap-verifier", str(swap))
             assert swapped.returncode == 0 and "arith-rule-v2" in swapped.stdout, swapped.stdout + swapped.stderr
             # Kill rollout-0's process: Ray restarts it, its prompts are re-issued.
-            pid = int(subprocess.run(["pgrep", "-f", "ray::RolloutWorker"], capture_output=True, text=True)
-                      .stdout.split()[0])
+            # (this launch's own: a descendant of its embedded Ray head, not another job's on the machine)
+            pid = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "ray::RolloutWorker" in _cmd(p))
             os.kill(pid, signal.SIGKILL)
             _wait_for(log, "restarted at weights", 600)
             shrunk = _ctl(run, "scale", "1")

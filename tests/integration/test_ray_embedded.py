@@ -42,11 +42,16 @@ DAEMONS = ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "_private
 
 
 def _ray_scripts() -> set[str]:
-    """Which of Ray's optional head daemons (`DAEMONS`) run on this machine."""
+    """Which of Ray's optional head daemons (`DAEMONS`) this process's own cluster runs (`ray.init`
+    starts them as children of the driver; other clusters on the machine, e.g. another pytest-xdist
+    worker's, are not counted)."""
     running = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        for part in proc.info["cmdline"] or []:
-            running.update(d for d in DAEMONS if part.endswith(d))
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:  # ended meanwhile
+            continue
+        running.update(d for d in DAEMONS for part in cmdline if part.endswith(d))
     return running
 
 
