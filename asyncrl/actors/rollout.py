@@ -31,6 +31,7 @@ from typing import Any
 from asyncrl.config import Config, rollout_cpu_nice
 
 log = logging.getLogger("asyncrl.rollout")
+BUSY_STATE_S = 0.5  # how often a loop with every group slot busy asks the coordinator whether to stop
 
 
 def renice(nice: int | None) -> None:
@@ -188,12 +189,18 @@ class RolloutWorker:
         """Produce groups until the coordinator says stop; returns final counters."""
         self._running = True
         limit = self.cfg.rollout.groups_in_flight
+        asked_at = -float("inf")  # when the coordinator's state was last asked for
         while self._running:
-            state = await self.coordinator.get_state.remote()
-            if state["stopping"]:
-                break
-            if len(self._tasks) >= limit:  # busy: every group slot is generating (not idle)
-                await asyncio.sleep(0.05)
+            busy = len(self._tasks) >= limit  # every group slot is generating (not idle)
+            # While busy, the state is only needed to notice a stop: asked for every BUSY_STATE_S, not on
+            # every 50 ms pass (`RolloutWorker.stop` ends the loop at once either way).
+            if not busy or time.monotonic() - asked_at >= BUSY_STATE_S:
+                state = await self.coordinator.get_state.remote()
+                asked_at = time.monotonic()
+                if state["stopping"]:
+                    break
+            if busy:  # until a slot frees (then at once) or 50 ms
+                await asyncio.wait(set(self._tasks), timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                 continue
             if self._paused_for_weights or not state["admitting"]:
                 await self._idle(0.05)

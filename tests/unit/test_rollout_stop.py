@@ -6,6 +6,7 @@ is the plain class (no Ray); the coordinator and the buffer are recording stand-
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -86,3 +87,44 @@ def test_a_stopped_loop_finishes_or_abandons_its_groups_in_flight(abandon: bool)
     else:  # waited for: pushed, nothing abandoned
         assert ("pushed", 7) in calls and ("abandon", 7) not in calls
     assert not worker._tasks
+
+
+def test_a_busy_loop_asks_the_coordinator_only_every_busy_state_s_and_stop_still_ends_it() -> None:
+    """Every group slot generating: nothing to do but notice a stop, so the loop asks the coordinator
+    for its state every BUSY_STATE_S (0.5 s), not on every 50 ms pass (it used to: ~20 calls a
+    second); `stop()` still ends the loop within one pass."""
+    from asyncrl.actors import rollout
+
+    worker, calls = _worker(group_s=1.0)
+    asked: list[float] = []
+    state = {"stopping": False, "admitting": False, "version": 0}
+
+    async def get_state():
+        asked.append(time.monotonic())
+        return state
+
+    worker.coordinator.get_state.remote = get_state
+
+    async def scenario() -> float:
+        for i in range(worker.cfg.rollout.groups_in_flight):  # every slot busy for group_s
+            task = asyncio.create_task(worker._group({"index": i}, i))
+            worker._tasks.add(task)
+            task.add_done_callback(worker._tasks.discard)
+        loop = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.9)  # still busy
+        worker.stop()
+        t_stop = time.monotonic()
+        await loop
+        return time.monotonic() - t_stop
+
+    t0 = time.monotonic()
+    try:
+        stop_s = asyncio.run(scenario())
+    finally:
+        worker._zmq.shutdown(wait=False)
+    busy = [t - t0 for t in asked if t - t0 < 0.9]
+    # at 0 and ~0.5 s (one BUSY_STATE_S later): 2, with room for one late pass; a loop asking on
+    # every 50 ms pass would have asked ~18 times
+    assert rollout.BUSY_STATE_S == 0.5 and 1 <= len(busy) <= 3, busy
+    assert stop_s < 1.5  # the loop noticed `stop()` (then drained the two groups, ~0.1 s left)
+    assert ("pushed", 0) in calls and ("pushed", 1) in calls and not worker._tasks
