@@ -215,8 +215,11 @@ def test_faults_kill_scale_swap_sigterm_resume(tmp_path: Path) -> None:
             swapped = _ctl(run, "swap-verifier", str(swap))
             assert swapped.returncode == 0 and "arith-rule-v2" in swapped.stdout, swapped.stdout + swapped.stderr
             # Kill rollout-0's process: Ray restarts it, its prompts are re-issued.
-            # (this launch's own: a descendant of its embedded Ray head, not another job's on the machine)
-            pid = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "ray::RolloutWorker" in _cmd(p))
+            # (this launch's own: a descendant of its embedded Ray head, not another job's on the machine;
+            # the actor, not its forked vLLM engine core, which carries the actor's title too)
+            workers = {p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "ray::RolloutWorker" in _cmd(p)}
+            pid = next(pid for pid, p in workers.items() if p.ppid() not in workers)
             os.kill(pid, signal.SIGKILL)
             _wait_for(log, "restarted at weights", 600)
             shrunk = _ctl(run, "scale", "1")
