@@ -24,38 +24,26 @@ from pathlib import Path
 
 import psutil
 
-# process title (Ray's `ray::<Actor>`) -> row name, the first match wins; vLLM's engine core forked
-# from the rollout actor keeps the actor's title and is told apart by its parent (`cpu_by_role`)
-ROLES = [("ray::RolloutWorker", "rollout actor"), ("EngineCore", "vLLM engine core"),
-         ("ray::LearnerActor", "learner"), ("ray::Coordinator", "coordinator"), ("ray::BufferHost", "replay buffer"),
-         ("ray::WeightStore", "weight store"), ("ray::ServeReplica", "verifier replica"),
-         ("ray::ServeController", "serve controller"), ("ray::ProxyActor", "serve proxy"),
-         ("asyncrl.launch", "launcher (driver)"), ("raylet", "raylet"), ("gcs_server", "gcs"),
-         ("DashboardAgent", "ray dashboard agent"), ("RuntimeEnvAgent", "ray runtime-env agent")]
+from asyncrl.bench.startup import process_role
+
 PERF = ("perf/step_s", "perf/batch_wait_s", "perf/train_s", "perf/weight_sync_s", "perf/rollout_idle_ratio")
 
 
-def title_role(proc: psutil.Process) -> str:
-    try:
-        title = " ".join(proc.cmdline()) or proc.name()
-    except psutil.Error:
-        return "?"
-    return next((name for needle, name in ROLES if needle in title), f"other ({proc.name()})")
-
-
 def cpu_by_role(root: psutil.Process) -> dict[str, float]:
+    """CPU seconds of `root` and every process below it by role (`asyncrl.bench.startup.process_role`:
+    a Ray worker's title, a daemon's script or executable), with vLLM's engine core, which is forked
+    from the rollout actor and carries its title, counted on a row of its own."""
     procs = [root, *root.children(recursive=True)]
-    roles = {proc.pid: title_role(proc) for proc in procs}
+    roles = {proc.pid: "launcher" if proc is root else process_role(proc) for proc in procs}
     out: dict[str, float] = collections.defaultdict(float)
     for proc in procs:
-        name = roles[proc.pid]
         try:
-            if roles.get(proc.ppid()) == "rollout actor":  # vLLM's engine core, forked from the actor: its
-                name = "vLLM engine core"                   # title is the actor's (or ray::IDLE)
+            parent = roles.get(proc.ppid())
             t = proc.cpu_times()
         except psutil.Error:  # ended meanwhile
             continue
-        out[name] += t.user + t.system
+        role = "vLLM engine core (forked)" if parent == "ray::RolloutWorker" else roles[proc.pid]
+        out[role] += t.user + t.system
     return out
 
 

@@ -63,7 +63,7 @@ def parse_console(lines: list[tuple[float, str]]) -> dict[str, Any]:
     return out
 
 
-def _role(proc: Any) -> str:
+def process_role(proc: Any) -> str:
     """A readable role for one process of the job: a Ray worker's title (`ray::RolloutWorker`), a
     Python daemon's script (`log_monitor.py`), else the executable's name (`raylet`)."""
     try:
@@ -83,7 +83,7 @@ def _role(proc: Any) -> str:
 
 def cpu_by_role(pid: int) -> dict[str, float]:
     """CPU seconds (user + system, each process's own: what its ended children used is not counted) of
-    `pid` and every process below it, summed by `_role`, largest first, with the total under `total`."""
+    `pid` and every process below it, summed by `process_role`, largest first, with the total under `total`."""
     import psutil
 
     root = psutil.Process(pid)
@@ -91,7 +91,7 @@ def cpu_by_role(pid: int) -> dict[str, float]:
     for proc in [root, *root.children(recursive=True)]:
         try:
             t = proc.cpu_times()
-            role = "launcher" if proc.pid == pid else _role(proc)
+            role = "launcher" if proc.pid == pid else process_role(proc)
         except psutil.Error:
             continue
         out[role] = out.get(role, 0.0) + t.user + t.system
