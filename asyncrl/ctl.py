@@ -8,7 +8,7 @@ posts the result, which is printed here. Exit status: 0 done, 1 the job refused 
 reason is printed), 2 bad usage or no running job.
 
 The job side: `execute` runs one queued command through the job's table of named handlers
-(asyncrl.job_commands.handlers); a command it does not know, or one that raises, becomes an
+(asyncrl.job.commands.handlers); a command it does not know, or one that raises, becomes an
 `{"ok": false, "error": ...}` result for the caller instead of an error in the job.
 """
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(status, indent=2, default=str))
         else:
-            from asyncrl.status import format_status
+            from asyncrl.job.status import format_status
 
             print(format_status(status))
         return 0
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _status_from_file(run_dir: Path, as_json: bool) -> int:
     """`status` from the file the job rewrites every step (no Ray: answers at once)."""
-    from asyncrl.status import STATUS_FILE, format_status, read_status
+    from asyncrl.job.status import STATUS_FILE, format_status, read_status
 
     status = read_status(run_dir)
     job_file = run_dir / "job.json"

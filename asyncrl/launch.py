@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.logs import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"
-    from asyncrl.runtime import run  # heavy imports (ray, torch) start here
+    from asyncrl.job.runtime import run  # heavy imports (ray, torch) start here
 
     return run(cfg)
 

@@ -5,7 +5,7 @@ source tree: the tiny policy in assets/), the one every scenario's defaults are 
 `python -m asyncrl.bench SCENARIO --help` shows that scenario's own description and its flags
 (each scenario module's `add_args`: grid, run size and variants are flags, never environment
 variables). Scenarios that build engines from `model.path` first run the launcher's model checks
-(asyncrl.preflight): a config the model cannot hold exits 2 with the keys named, before any engine starts.
+(asyncrl.checks.preflight): a config the model cannot hold exits 2 with the keys named, before any engine starts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from asyncrl.cli import add_config_args, config_from_args, fail
 
 SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence", "trl", "scale",
              "startup"]
-MODEL_SCENARIOS = ("rollout",)  # the others build no engine from model.path, or go through asyncrl.runtime.run
+MODEL_SCENARIOS = ("rollout",)  # the others build no engine from model.path, or go through asyncrl.job.runtime.run
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 # The environment variables that once chose grids and sizes, and the flags that replaced them where
 # the name does not simply turn into a flag (STEPS -> --steps).
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = str(DEFAULT_CONFIG)
     cfg = config_from_args(args, require_files=False)
     if args.scenario in MODEL_SCENARIOS:
-        from asyncrl.runtime import check_models
+        from asyncrl.job.runtime import check_models
 
         if not check_models(cfg):
             return 2

@@ -1,6 +1,6 @@
 """`python -m asyncrl.bench convergence --config X.yaml [--full] [flags]`: does asynchrony pay in accuracy per wall second?
 
-Real training runs of the whole system (`asyncrl.runtime.run`, as `e2e`), one after another (they
+Real training runs of the whole system (`asyncrl.job.runtime.run`, as `e2e`), one after another (they
 measure throughput), over a grid of `buffer.max_staleness` (η) × `learner.off_policy.mode` × seeds.
 Every run evaluates greedily on the validation split every K learner steps (the trainer's own
 evaluation) and on the test split at the end. The η = 0 run of a seed is the synchronous baseline,
@@ -206,7 +206,7 @@ def cell_config(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files:
 
 def run_cell(cfg: Config, cell: dict[str, Any], p: dict[str, Any], val_files: str) -> dict[str, Any]:
     """One real training run; its curves and end figures (see `cell_figures`)."""
-    from asyncrl.runtime import run
+    from asyncrl.job.runtime import run
 
     c = cell_config(cfg, cell, p, val_files)
     run_dir = c.run_path

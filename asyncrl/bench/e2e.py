@@ -28,7 +28,7 @@ from asyncrl.config import Config
 
 def measure(cfg: Config, steps: int, warmup: int, tag: str) -> dict[str, Any]:
     """One real run of `steps` learner steps; returns its steady-state figures."""
-    from asyncrl.runtime import run
+    from asyncrl.job.runtime import run
 
     cfg = cfg.model_copy(deep=True)
     cfg.trainer.max_steps = steps

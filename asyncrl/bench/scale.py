@@ -12,7 +12,7 @@ status, and the peak resident memory of every role (learner ranks, rollout actor
 cores, the other Ray workers, the driver), sampled from the job's process tree every 0.2 s.
 `ratio` = a bare gloo broadcast of the model's fp32 bytes between two processes (one flat
 tensor, no packing, best of 3) / the extension run's mean weight-sync seconds.
-Before anything starts, the launcher's memory guard (asyncrl.preflight.memory_fit) refuses a
+Before anything starts, the launcher's memory guard (asyncrl.checks.preflight.memory_fit) refuses a
 configuration this machine cannot hold, naming the components; `--smoke` runs 2 steps per job.
 """
 

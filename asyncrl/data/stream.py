@@ -4,7 +4,7 @@ Order: draw k of the infinite stream is row `perm_e[k mod N]` of epoch `e = k di
 `perm_e` is a numpy permutation seeded by `(seed, e)` (the original uses a torch RandomSampler;
 the order differs, but is equally deterministic and needs no replay to jump to any epoch). Epochs
 roll over forever; every epoch visits every row exactly once. One owner draws from it: the job's
-coordinator (asyncrl.coordinator), which hands prompts to rollout actors one group at a time and
+coordinator (asyncrl.job.coordinator), which hands prompts to rollout actors one group at a time and
 keeps the bookkeeping of issued, buffered and re-issued prompts; the stream's own state is just
 its cursor (`state_dict()` / `load_state_dict()` resume it exactly: no prompt skipped or repeated).
 """

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from asyncrl.config import BufferConfig, DataConfig
-from asyncrl.coordinator import Coordinator
+from asyncrl.job.coordinator import Coordinator
 from asyncrl.replay import BufferClient, ReplayBufferServer
 from asyncrl.replay.synthetic import synthetic_group
 

@@ -47,7 +47,7 @@ def test_ctl_on_a_stale_job_says_it_is_not_running(tmp_path: Path, alive_pid: bo
 def test_ctl_status_of_a_killed_job_shows_its_last_status_as_not_running(tmp_path: Path) -> None:
     """A SIGKILLed job leaves job.json and status.json behind: `ctl status` prints the last status
     it wrote, marked not running, and says why on stderr (exit 0: the table is still the answer)."""
-    from asyncrl.status import write_status
+    from asyncrl.job.status import write_status
 
     run = tmp_path / "run"
     run.mkdir()

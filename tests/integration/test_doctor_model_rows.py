@@ -1,4 +1,4 @@
-"""`python -m asyncrl.doctor --config X` lists the launcher's model checks (asyncrl.preflight) as rows
+"""`python -m asyncrl.doctor --config X` lists the launcher's model checks (asyncrl.checks.preflight) as rows
 of its table, before the cluster rows, on the embedded cluster (~45 s here): with the issue's lengths
 the context rows are ✘ with their fix and name the keys, every cluster row still runs."""
 

@@ -125,7 +125,7 @@ def test_one_cumem_value_reaches_every_process(two_nodes):
 def test_version_zero_is_published_at_start_up(two_nodes):
     from types import SimpleNamespace
 
-    from asyncrl.topology import publish_initial_weights
+    from asyncrl.job.topology import publish_initial_weights
     from asyncrl.weights.sender import WeightSender
     from asyncrl.weights.store import fetch_weights, start_weight_store
 

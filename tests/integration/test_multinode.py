@@ -176,7 +176,7 @@ def _multi_node_recipes() -> list[Path]:
                   if re.search(r"Hardware: ([2-9]|\d\d+) nodes", p.read_text()))
 
 
-# The recipes' hub models as the driver's model checks (asyncrl.preflight) read them: config.json with
+# The recipes' hub models as the driver's model checks (asyncrl.checks.preflight) read them: config.json with
 # their published context keys, a chat template, a (header-only) weight file; no hub is reachable here.
 HUB_STUBS = {
     "Qwen/Qwen3-14B": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "max_position_embeddings": 40960},
@@ -222,7 +222,7 @@ def test_embedded_mode_starts_its_own_cluster_despite_stale_address_file(tmp_pat
         s.bind(("127.0.0.1", 0))
         stale = f"127.0.0.1:{s.getsockname()[1]}"
     (tmp / "ray" / "ray_current_cluster").write_text(stale)
-    code = ("from asyncrl.config import load_config; from asyncrl.runtime import ray_init; import ray\n"
+    code = ("from asyncrl.config import load_config; from asyncrl.job.runtime import ray_init; import ray\n"
             "cfg = load_config('configs/quickstart.yaml', ['cluster.num_cpus=2'])\n"
             "ray_init(cfg, 'stale-test'); print('GCS', ray.get_runtime_context().gcs_address); ray.shutdown()")
     env = dict(os.environ, RAY_TMPDIR=str(tmp), RAY_USAGE_STATS_ENABLED="0")

@@ -1,4 +1,4 @@
-"""asyncrl.preflight derives a model's context as vLLM 0.32 does: the same config directories as
+"""asyncrl.checks.preflight derives a model's context as vLLM 0.32 does: the same config directories as
 tests/unit/test_preflight.py (plus a legacy `rope_scaling` and a GPT-2 `n_positions`) given to
 vLLM's own `ModelConfig`, whose `max_model_len` must equal `model_context(...).tokens`, and a
 configured length above it refused by both."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.preflight import max_model_len_error, model_context, read_model
+from asyncrl.checks.preflight import max_model_len_error, model_context, read_model
 from tests.unit.test_preflight import CONTEXT_CASES, model_dir
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The embedded Ray cluster starts no idle workers the job cannot use (asyncrl.runtime.embedded_ray_options)
+"""The embedded Ray cluster starts no idle workers the job cannot use (asyncrl.job.runtime.embedded_ray_options)
 and none of the head daemons it does not use (asyncrl.ray_lean.lean_head).
 
 Without the option, the raylet prestarts one default worker per CPU when the driver connects; they
@@ -15,8 +15,8 @@ import pytest
 
 from asyncrl.cluster import job_runtime_env, probe_this_node
 from asyncrl.config import Config
+from asyncrl.job.runtime import embedded_ray_options
 from asyncrl.ray_lean import lean_head
-from asyncrl.runtime import embedded_ray_options
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
     assert options["include_dashboard"] is False and options["_node_ip_address"] == "127.0.0.1"
     runtime_env = job_runtime_env(cfg)  # the job's own: the package, its env vars, its worker setup hook
     runtime_env["env_vars"]["ASYNCRL_TEST_JOB_ENV"] = "1"
-    with lean_head(log_monitor=False) as skipped:  # as asyncrl.runtime.ray_init starts it (quiet mode)
+    with lean_head(log_monitor=False) as skipped:  # as asyncrl.job.runtime.ray_init starts it (quiet mode)
         ray.init(**options, runtime_env=runtime_env, logging_level="WARNING", log_to_driver=False)
     try:
         # no API server (`dashboard.py`: Ray starts it even with include_dashboard=False, and waits for

@@ -94,7 +94,7 @@ def test_the_asyncrl_sides_config_file_reads_back_and_passes_the_preflight(tmp_p
     # max_pixels as set on a text model and `make bench-trl` exited 2 before its first step.
     import yaml
 
-    from asyncrl.preflight import check_model, refusals
+    from asyncrl.checks.preflight import check_model, refusals
 
     side = bench_trl._side_config(load_config(ROOT / "configs" / "quickstart.yaml", ["trainer.max_steps=200"]),
                                   tmp_path, smoke=False)

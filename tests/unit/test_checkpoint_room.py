@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 import asyncrl.learner.checkpoint as ckpt
+from asyncrl.checks.preflight import checkpoint_estimate, disk_fit, read_model
 from asyncrl.config import load_config
 from asyncrl.learner.memory import checkpoint_bytes
-from asyncrl.preflight import checkpoint_estimate, disk_fit, read_model
 
 
 def test_checkpoint_bytes_by_hand():
@@ -71,7 +71,7 @@ def test_the_disk_row_refuses_a_run_whose_first_checkpoint_cannot_fit(tmp_path, 
 
 
 def test_a_periodic_checkpoint_without_room_is_skipped_aloud_and_an_emergency_one_raises(monkeypatch, capsys):
-    import asyncrl.trainer as trainer
+    import asyncrl.job.loop as trainer
 
     def no_room(*args, **kwargs):
         raise ckpt.CheckpointNoRoom("no room for a checkpoint in /x: 0.00 GB free, the newest (step_5) took 6.47 GB")

@@ -5,7 +5,7 @@ or repeated."""
 from __future__ import annotations
 
 from asyncrl.config import DataConfig
-from asyncrl.coordinator import Coordinator
+from asyncrl.job.coordinator import Coordinator
 
 ROWS = [{"problem": f"Compute {i} + 1.", "answer": str(i + 1)} for i in range(10)]
 CFG = DataConfig(shuffle=False).model_dump_json()

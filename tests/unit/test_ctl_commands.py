@@ -4,12 +4,12 @@ on), and the job knows exactly the commands the ctl client can queue."""
 
 from types import SimpleNamespace
 
-from asyncrl import job_commands
 from asyncrl.config import load_config
 from asyncrl.ctl import _parser, execute
+from asyncrl.job import commands as job_commands
+from asyncrl.job.loop import Trainer
+from asyncrl.job.topology import Topology
 from asyncrl.startup import StopFlag
-from asyncrl.topology import Topology
-from asyncrl.trainer import Trainer
 
 
 def test_a_known_command_runs_its_handler_with_the_arguments():

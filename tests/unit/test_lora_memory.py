@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.checks.preflight import memory_rows, read_model
 from asyncrl.config import load_config
 from asyncrl.learner import memory as mem
-from asyncrl.preflight import memory_rows, read_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = json.loads((ROOT / "assets" / "tiny-policy" / "config.json").read_text())

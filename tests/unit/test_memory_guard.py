@@ -10,8 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
+from asyncrl.checks.preflight import CHECKS, memory_fit, memory_rows, read_model
 from asyncrl.config import load_config
-from asyncrl.preflight import CHECKS, memory_fit, memory_rows, read_model
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30

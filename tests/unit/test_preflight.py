@@ -1,4 +1,4 @@
-"""The model against the config before anything starts (asyncrl.preflight), and the launcher's
+"""The model against the config before anything starts (asyncrl.checks.preflight), and the launcher's
 refusal: a context too short for the lengths (the issue's command), a model verifier whose context
 is too short, a tokenizer without a chat template and a vision key on a text model each exit 2 in
 under 5 s with the keys named, without ever importing Ray (so no Ray can have started). The
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.checks.preflight import check_model, model_context, read_model, refusals
 from asyncrl.config import load_config
-from asyncrl.preflight import check_model, model_context, read_model, refusals
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-policy"
@@ -168,7 +168,7 @@ def test_an_unset_secret_and_a_missing_key_file(monkeypatch: pytest.MonkeyPatch)
 
 def test_registered_checks_become_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hook a launch-time memory guard plugs into: a model check before Ray, a node check after."""
-    from asyncrl import preflight
+    from asyncrl.checks import preflight
 
     monkeypatch.setattr(preflight, "CHECKS", list(preflight.CHECKS))
     monkeypatch.setattr(preflight, "NODE_CHECKS", [])
@@ -225,7 +225,7 @@ def test_a_truncated_weight_file(tmp_path: Path) -> None:
 def test_an_http_verifier_nobody_serves_is_refused_before_ray() -> None:
     import socket
 
-    from asyncrl.preflight import check_http_verifier
+    from asyncrl.checks.preflight import check_http_verifier
 
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
@@ -254,7 +254,7 @@ def test_the_launchers_model_preflight_imports_neither_torch_nor_transformers() 
     """`check_model` runs in the launcher before Ray starts: importing torch there cost 1.7 s of every
     launch (the disk row's helpers in learner.checkpoint and weights.adapter imported it at module
     level). A fresh interpreter runs it on the quick start and reports what it imported."""
-    code = ("import sys; from asyncrl.config import load_config; from asyncrl.preflight import check_model; "
+    code = ("import sys; from asyncrl.config import load_config; from asyncrl.checks.preflight import check_model; "
             "check_model(load_config('configs/quickstart.yaml', [])); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

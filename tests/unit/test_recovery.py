@@ -1,4 +1,4 @@
-"""The job's recovery bookkeeping (asyncrl.recovery), without Ray: which prompts a rolled-back
+"""The job's recovery bookkeeping (asyncrl.job.recovery), without Ray: which prompts a rolled-back
 learner trains again, the `resumed_from` marker, the bounded memory of trained prompts, when a
 learner death is recovered in the job, and the stop on any other failure (the step the learner
 trained is logged, the emergency checkpoint is attempted, exit status 3)."""
@@ -9,8 +9,7 @@ import json
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.metrics import MetricLogger, effective_rows
-from asyncrl.recovery import (
+from asyncrl.job.recovery import (
     RECENT_PROMPTS,
     LearnerRecovery,
     Progress,
@@ -18,7 +17,8 @@ from asyncrl.recovery import (
     prompts_to_retrain,
     stop_on_failure,
 )
-from asyncrl.topology import Topology
+from asyncrl.job.topology import Topology
+from asyncrl.metrics import MetricLogger, effective_rows
 
 
 def _cfg(tmp_path: Path, *overrides: str):

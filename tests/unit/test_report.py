@@ -1,4 +1,4 @@
-"""asyncrl.report and asyncrl.status on the recorded small run (tests/fixtures/run_small, 6 learner
+"""asyncrl.report and asyncrl.job.status on the recorded small run (tests/fixtures/run_small, 6 learner
 steps of the quick-start topology with before/after evaluations and their conversations).
 
 Proves: the page is self-contained (no external URL, a CSP that forbids loads), carries the
@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from asyncrl.job.status import format_status, read_status, write_status
 from asyncrl.report import mark_verifier, moving_average, read_metrics, render
-from asyncrl.status import format_status, read_status, write_status
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "run_small"

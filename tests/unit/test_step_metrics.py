@@ -1,4 +1,4 @@
-"""The driver's own per-step keys (asyncrl.step_metrics), by hand: the staleness of the trained batch
+"""The driver's own per-step keys (asyncrl.job.step_metrics), by hand: the staleness of the trained batch
 (per batch, under `train/` — the buffer's `buffer/staleness_mean` is over the run), the step's
 phases and the run's totals, and the lengths of trained vs dropped groups."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.step_metrics import GroupLengths, StepClock, batch_metrics
+from asyncrl.job.step_metrics import GroupLengths, StepClock, batch_metrics
 
 
 def _meta(index: int, rewards: list[float], tokens: list[int], version: str = "v1") -> dict:

@@ -1,5 +1,5 @@
 """The start-ups that `build_topology` runs in the background (weight store, verifier service) are
-handed to the topology after a failed step, so its shutdown stops them (asyncrl.topology)."""
+handed to the topology after a failed step, so its shutdown stops them (asyncrl.job.topology)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import topology
 from asyncrl.config import Config
+from asyncrl.job import topology
 
 
 def _done(result: object = None, error: BaseException | None = None) -> Future:

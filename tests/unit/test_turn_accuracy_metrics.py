@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.step_metrics import batch_metrics, turn_accuracy_metrics
+from asyncrl.job.step_metrics import batch_metrics, turn_accuracy_metrics
 
 
 def _meta(accs: list[float], turns: list[int]) -> dict:

@@ -1,7 +1,7 @@
 """The job side of `asyncrl.ctl`: the commands a running job executes, between two learner steps.
 
 `asyncrl.ctl` queues a command on the job's coordinator; after each step the loop
-(asyncrl.trainer.Trainer) calls `run_queued`, which runs every queued command through the table of
+(asyncrl.job.loop.Trainer) calls `run_queued`, which runs every queued command through the table of
 `handlers` and posts each result back for the waiting ctl client. A handler acts on the loop it is
 given: it scales the fleet, swaps the verifier (the loop's config follows when the swap succeeded),
 writes a checkpoint, or asks the loop to stop after the current step.
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 Loop = Any
-"""The running `asyncrl.trainer.Trainer`, by duck type: the trainer imports this module, so this
+"""The running `asyncrl.job.loop.Trainer`, by duck type: the trainer imports this module, so this
 module does not import it back (not even for types; tests/unit/test_import_cycles.py)."""
 
 

@@ -2,8 +2,8 @@
 
 `run(cfg)` is what `python -m asyncrl.launch` calls after the config validated: it prepares the
 run directory, starts or joins Ray (`ray_init`), checks the live cluster (`preflight`), builds
-every component (asyncrl.topology.build_topology, one screen in start order), hands them to the
-learner-paced loop (asyncrl.trainer.Trainer; the rollout fleet, asyncrl.actors.fleet, runs on its
+every component (asyncrl.job.topology.build_topology, one screen in start order), hands them to the
+learner-paced loop (asyncrl.job.loop.Trainer; the rollout fleet, asyncrl.actors.fleet, runs on its
 own, paced only by the buffer's admission tickets) and tears everything down at the end.
 
 Failure behaviour: every start-up wait has a timeout (`cluster.startup_timeout_s`) and a component
@@ -104,12 +104,13 @@ def embedded_ray_options(cfg: Config) -> dict[str, Any]:
 
 def preflight(cfg: Config) -> None:
     """Checks on the live cluster before any component starts: resources (placement feasible),
-    /dev/shm and interfaces of the nodes, the registered node checks (asyncrl.preflight), listener addresses resolved and loudly reported when
+    /dev/shm and interfaces of the nodes, the registered node checks (asyncrl.checks.preflight), listener addresses resolved and loudly reported when
     they are open beyond loopback without authentication. The model paths were resolved and the
     models checked against the config before Ray started (`check_models`)."""
     import ray
 
     from asyncrl.addresses import insecure_listeners, is_loopback, resolve_hosts
+    from asyncrl.checks.preflight import check_nodes, refusals
     from asyncrl.cluster import (
         interface_problems,
         probe_nodes,
@@ -117,7 +118,6 @@ def preflight(cfg: Config) -> None:
         resource_problems,
         shm_problems,
     )
-    from asyncrl.preflight import check_nodes, refusals
 
     where = cfg.cluster.ray_address or "embedded"
     problems = resource_problems(cfg, ray.nodes(), where)
@@ -139,9 +139,9 @@ def preflight(cfg: Config) -> None:
 
 
 def check_models(cfg: Config) -> bool:
-    """The model against the config, before Ray (asyncrl.preflight): one `error:` line per
+    """The model against the config, before Ray (asyncrl.checks.preflight): one `error:` line per
     problem on the console; False when the job must not start."""
-    from asyncrl.preflight import check_model, refusals
+    from asyncrl.checks.preflight import check_model, refusals
 
     rows = check_model(cfg)
     for line in refusals(rows):
@@ -186,8 +186,8 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
             preflight(cfg)
         (run_dir / "config.resolved.json").write_text(cfg.to_json())  # with the resolved hosts and paths
         stop.install()  # after ray.init, which installs its own SIGTERM handler in the driver
-        from asyncrl.topology import build_topology
-        from asyncrl.trainer import Trainer
+        from asyncrl.job.loop import Trainer
+        from asyncrl.job.topology import build_topology
 
         topo = build_topology(cfg, run_dir, resume, rows)  # its data step takes the rows (or fails with the file's error)
         (run_dir / "job.json").write_text(json.dumps({

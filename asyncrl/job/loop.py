@@ -1,14 +1,14 @@
-"""The learner-paced training loop of a running job (its components: asyncrl.topology).
+"""The learner-paced training loop of a running job (its components: asyncrl.job.topology).
 
 Per step: learner rank 0 takes a batch of B groups for its version from the replay buffer itself
 (asyncrl.learner.feed; waiting is `perf/learner_idle_ratio`) and the driver gets only their
 metadata (prompt indices, versions, rewards, token counts: no sample bytes, `perf/driver_bytes`);
 the learner trains, bumps the version and the rollout fleet takes the new weights
 (asyncrl.actors.fleet.RolloutFleet.sync_weights, `perf/weight_sync_s`); then the step's metrics
-are logged under one step, control commands from `asyncrl.ctl` are executed (asyncrl.job_commands), the
-fleet heals its dead actors, and checkpoints (asyncrl.job_checkpoint) and evaluations
+are logged under one step, control commands from `asyncrl.ctl` are executed (asyncrl.job.commands), the
+fleet heals its dead actors, and checkpoints (asyncrl.job.checkpoint) and evaluations
 (asyncrl.eval.evaluate_on_fleet) happen on their schedule. The loop stops at `trainer.max_steps`,
-on a signal or on `asyncrl.ctl stop`. Deaths are handled by asyncrl.recovery: a dead learner rank
+on a signal or on `asyncrl.ctl stop`. Deaths are handled by asyncrl.job.recovery: a dead learner rank
 is rebuilt in the job, any other death ends the job with a checkpoint. The fleet is never paused
 for the learner: it is paced only by the buffer's admission tickets (staleness bound).
 """
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
-from asyncrl.job_checkpoint import write_job_checkpoint
-from asyncrl.job_commands import run_queued
+from asyncrl.job.checkpoint import write_job_checkpoint
+from asyncrl.job.commands import run_queued
+from asyncrl.job.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
+from asyncrl.job.step_metrics import GroupLengths, StepClock, batch_metrics
+from asyncrl.job.topology import Topology
 from asyncrl.logs import console
 from asyncrl.metrics import MetricLogger, ProgressDisplay
-from asyncrl.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
 from asyncrl.startup import say
-from asyncrl.step_metrics import GroupLengths, StepClock, batch_metrics
-from asyncrl.topology import Topology
 
 if TYPE_CHECKING:
     from asyncrl.actors.fleet import RolloutFleet
@@ -192,8 +192,8 @@ class Trainer:
     # ------------------------------------------------------------------ what the loop reports
     def publish_status(self, m: dict[str, Any]) -> None:
         """What `asyncrl.ctl status` prints: held by the coordinator (`--live`) and written to
-        `<run_dir>/status.json` (asyncrl.status), which ctl reads without joining Ray."""
-        from asyncrl.status import job_status, write_status
+        `<run_dir>/status.json` (asyncrl.job.status), which ctl reads without joining Ray."""
+        from asyncrl.job.status import job_status, write_status
 
         steps_here = self.step - self.first_step
         eta = (time.time() - self.t_loop) / steps_here * (self.cfg.trainer.max_steps - self.step) if steps_here > 0 else None
@@ -235,6 +235,6 @@ class Trainer:
             return None
 
     def on_failure(self, exc: BaseException) -> int:
-        """The job cannot go on (asyncrl.recovery.stop_on_failure); the exit status."""
+        """The job cannot go on (asyncrl.job.recovery.stop_on_failure); the exit status."""
         return stop_on_failure(exc, self.topo, self.run_dir, self.progress, self.logger,
                                lambda: self.checkpoint(emergency=True))

@@ -1,4 +1,4 @@
-"""What the job does when one of its parts dies during training (the loop: asyncrl.trainer).
+"""What the job does when one of its parts dies during training (the loop: asyncrl.job.loop).
 
 - A dead learner rank: `LearnerRecovery` rebuilds the learner group in the job from the newest
   checkpoint (the fleet, the verifier and the buffer keep running), rolls the loop back to that
@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.job.topology import describe_failure
 from asyncrl.startup import one_line, root_cause, say
-from asyncrl.topology import describe_failure
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from asyncrl.actors.fleet import RolloutFleet
     from asyncrl.config import Config
+    from asyncrl.job.topology import Topology
     from asyncrl.metrics import MetricLogger
-    from asyncrl.topology import Topology
 
 RECENT_PROMPTS = 8192  # prompt indices remembered as trained (a buffer restart may re-deliver their groups)
 
@@ -174,7 +174,7 @@ class ServiceWatch:
             self.seen_restarts["coordinator"] = c_restarts
             say(f"the coordinator on {topo.hosts.get('coordinator', '?')} died and was restarted by Ray "
                 f"(restart {c_restarts}): recovering; cursor and in-flight prompts restored from its state file")
-        from asyncrl.coordinator import counter_metrics
+        from asyncrl.job.coordinator import counter_metrics
 
         out: dict[str, Any] = dict(counter_metrics(coord))
         dropped = ray.get(topo.buffer.take_dropped.remote())

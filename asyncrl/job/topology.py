@@ -117,8 +117,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
 
     from asyncrl.actors.fleet import RolloutFleet
     from asyncrl.actors.rollout import make_rollout_actor_class
-    from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
     from asyncrl.data import has_preloaded_rows, load_training_rows
+    from asyncrl.job.coordinator import COORDINATOR_NAME, Coordinator
     from asyncrl.learner.group import LearnerGroup, reserve_placement
     from asyncrl.replay.host import BufferHost
     from asyncrl.weights.store import start_weight_store

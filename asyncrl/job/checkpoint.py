@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.startup import say
 
 if TYPE_CHECKING:
-    from asyncrl.recovery import Progress
-    from asyncrl.topology import Topology
+    from asyncrl.job.recovery import Progress
+    from asyncrl.job.topology import Topology
 
 EMERGENCY_TIMEOUT_S = 120  # on the error path a service may hang instead of failing
 
@@ -52,7 +52,7 @@ def write_job_checkpoint(topo: Topology, run_dir: Path, progress: Progress, acto
 def _estimate(topo: Topology) -> int:
     """The first checkpoint's size, estimated from the policy's config.json (0 when unreadable:
     then only later checkpoints, sized by the newest one, are checked)."""
-    from asyncrl.preflight import checkpoint_estimate, read_model
+    from asyncrl.checks.preflight import checkpoint_estimate, read_model
 
     cfg = topo.cfg
     try:
@@ -88,7 +88,7 @@ def _cursor(topo: Topology, run_dir: Path, indices: list[int], emergency: bool) 
     except Exception as exc:  # noqa: BLE001 - only on the error path: the coordinator is gone
         if not emergency:
             raise
-        from asyncrl.coordinator import cursor_from_state_file
+        from asyncrl.job.coordinator import cursor_from_state_file
 
         say(f"  coordinator gone ({type(exc).__name__}): cursor taken from its state file")
         return cursor_from_state_file(run_dir / "state" / "coordinator.json", indices)
