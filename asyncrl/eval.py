@@ -94,8 +94,8 @@ def accuracy_se(accuracy: float, n: int) -> float:
 
 def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: str, mode: Mode) -> dict:
     """Per-mode numbers from finished conversations (see the module docstring)."""
-    from asyncrl.actors.guided import has_final_answer
     from asyncrl.tasks.arith_verifier import verify_turns
+    from asyncrl.verifier_protocol import has_final_answer
 
     n = len(convs)
     correct = [(_boxed(c.final_text) or "").strip() == str(r["answer"]).strip() for c, r in zip(convs, rows, strict=True)]

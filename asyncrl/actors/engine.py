@@ -48,17 +48,17 @@ seed, the source of its seed collapse; here every sample is its own request with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.actors.lora import AdapterSlots
-from asyncrl.config import apply_engine_env, engine_env, rollout_device_defaults
+from asyncrl.config import rollout_device_defaults
+from asyncrl.engine_setup import apply_engine_env, engine_core_forked, engine_env
 from asyncrl.weights.local import LocalFeed
 from asyncrl.weights.receiver import announced_version
 from asyncrl.weights.store import STORE_NAME, fetch_weights
@@ -104,112 +104,6 @@ def _lora_engine_kwargs(adapter: dict[str, Any] | None, keep: int) -> dict[str, 
     if adapter is None:
         return {}
     return {"enable_lora": True, "max_lora_rank": int(adapter["r"]), "max_loras": keep, "max_cpu_loras": keep + 1}
-
-
-# ---- building the engine-core process by fork (CPU) ------------------------------------------
-_FORKING_ENGINE_CORE = False  # True only while `engine_core_forked` builds an engine (read by the fork hooks)
-_AFTER_FORK_IN_PARENT: Callable[[], None] | None = None  # `engine_core_forked`'s `after_fork`, run once
-
-
-def _close_inherited_sockets() -> None:
-    """In a process just forked from a Ray worker: close this process's copies of the sockets the
-    parent holds (Ray's raylet, GCS and object-store connections, the engine client's ZeroMQ
-    sockets). The parent's connections stay open (closing a copy sends nothing); without this the
-    raylet would not see the actor's own death until the engine core died too (it learns of a
-    worker's death when the worker's socket closes), and actor restarts would wait on it."""
-    global _FORKING_ENGINE_CORE
-    if not _FORKING_ENGINE_CORE:
-        return
-    _FORKING_ENGINE_CORE = False
-    import stat
-
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd <= 2:
-            continue
-        try:
-            if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                os.close(fd)
-        except OSError:  # the directory's own descriptor, closed since listing
-            pass
-
-
-def _run_after_fork_in_parent() -> None:
-    """In the parent, once the engine core is forked: the build's `after_fork` callback (once)."""
-    global _AFTER_FORK_IN_PARENT
-    callback, _AFTER_FORK_IN_PARENT = _AFTER_FORK_IN_PARENT, None
-    if _FORKING_ENGINE_CORE and callback is not None:
-        callback()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_inherited_sockets, after_in_parent=_run_after_fork_in_parent)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-@contextlib.contextmanager
-def engine_core_forked(enabled: bool, after_fork: Callable[[], None] | None = None) -> Iterator[bool]:
-    """Build an `AsyncLLM` whose engine-core process is forked from this one, not spawned.
-
-    vLLM spawns the engine core from a Ray actor (`_maybe_force_spawn`: "In a Ray actor and can only
-    be spawned") and on CPU (its platform sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` when the engine
-    config is created, for its executor's worker processes and OpenMP), and a spawned engine core
-    imports torch and vLLM again: 5-7 s of a 2-core machine, on the first step's critical path, while
-    the learner is starting beside it. A fork inherits the imported modules. Use it around the
-    engine's construction from an already created config (`AsyncLLM.from_vllm_config`). What makes a
-    fork from a Ray worker safe here:
-    - the child runs only vLLM's engine core (`EngineCoreProc.run_engine_core`, which installs its
-      own SIGTERM/SIGINT handlers) and never calls Ray: the CPU build with the model worker in the
-      same process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `engine_env`) has no executor processes;
-    - the child closes its copies of the parent's sockets at once (`_close_inherited_sockets`), so
-      Ray still sees the actor's own death when it dies;
-    - nothing CUDA: `enabled` must be False on GPU (a forked CUDA context is unusable; vLLM then
-      spawns, as it would anyway);
-    - no OpenMP thread team in the parent: a child forked after libgomp started its threads hangs in
-      its first parallel region. This process must run torch on one thread (`OMP_NUM_THREADS=1`,
-      which the job's runtime env sets for every actor; the model runs in the engine core, which
-      sets its own thread count); otherwise the engine core is spawned, with a log line saying why;
-    - the interpreter's own fork handling (import lock, logging locks) covers the Python side.
-    `enabled=False` changes nothing. Yields whether the engine core will be forked. Only the
-    engine-core process is forked: the environment variable is restored after the build.
-
-    `after_fork` (optional): work to run beside the engine core's build that must not be inherited
-    by a forked child, such as a thread (a child forked while another thread holds a lock, e.g. a
-    module's import lock, would hang on it): called in this process right after the fork, or at
-    once when the engine core is spawned instead. It must return quickly (start a thread)."""
-    global _FORKING_ENGINE_CORE, _AFTER_FORK_IN_PARENT
-    if enabled and (threads := _torch_threads()) != 1:
-        log.info("vLLM engine core spawned, not forked: this process runs torch on %d threads (a fork "
-                 "after OpenMP has started its threads hangs in the child); OMP_NUM_THREADS=1 allows it", threads)
-        enabled = False
-    if not enabled:
-        if after_fork is not None:
-            after_fork()
-        yield False
-        return
-    import vllm.utils.system_utils as vllm_system
-
-    saved_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
-    saved_check = vllm_system.is_in_ray_actor
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-    vllm_system.is_in_ray_actor = lambda: False  # else `get_mp_context` turns the fork back into a spawn
-    _FORKING_ENGINE_CORE = True
-    _AFTER_FORK_IN_PARENT = after_fork
-    try:
-        yield True
-    finally:
-        _FORKING_ENGINE_CORE = False
-        _AFTER_FORK_IN_PARENT = None  # a build that failed before its fork: nothing to run beside it
-        vllm_system.is_in_ray_actor = saved_check
-        if saved_method is None:
-            os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
-        else:
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = saved_method
 
 
 class PolicyEngine:

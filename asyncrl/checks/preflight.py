@@ -392,7 +392,7 @@ def verifier_template_tokens(cfg: Config, model: ModelFiles) -> int:
         return 0
     from tokenizers import Tokenizer
 
-    from asyncrl.actors.guided.verifier_io import render_verifier_messages
+    from asyncrl.verifier_protocol import render_verifier_messages
 
     messages = render_verifier_messages("", None, [], cfg.rollout.guide.prompt_template)
     return len(Tokenizer.from_file(str(path)).encode("\n".join(m["content"] for m in messages),

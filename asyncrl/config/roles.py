@@ -6,15 +6,13 @@ A docstring under every field is its documentation (docs/config.md is generated 
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from asyncrl.config.sections import Section
 
-__all__ = ["GuideSamplingConfig", "GuideConfig", "rollout_device_defaults", "learner_device_defaults", "rollout_cpu_nice", "engine_env", "apply_engine_env", "engine_dtype", "RolloutConfig",
+__all__ = ["GuideSamplingConfig", "GuideConfig", "rollout_device_defaults", "learner_device_defaults", "rollout_cpu_nice", "engine_dtype", "RolloutConfig",
            "VerifierHTTPConfig", "VerifierClientConfig", "AutoscalingConfig", "VerifierConfig", "CurveConfig",
            "DynamicSamplingConfig", "DurableConfig", "BufferConfig", "OptimConfig", "OffPolicyConfig", "KLConfig",
            "WeightSyncConfig", "LearnerConfig"]
@@ -76,40 +74,6 @@ def rollout_cpu_nice(gpus_per_actor: int, nice: int | None) -> int | None:
     if nice is not None:
         return nice
     return None if gpus_per_actor > 0 else 19
-
-
-def engine_env(gpus: float, in_process: bool | None) -> dict[str, str]:
-    """Environment a vLLM engine (policy or verifier) is built under. `in_process` (None = derived:
-    True on CPU) keeps vLLM's model worker inside its engine-core process (UniProcExecutor):
-    vLLM's CPU build otherwise forces a separate worker process talking to the engine core over a
-    shared-memory queue whose readers busy-poll (sched_yield) for a second after every message,
-    which on a small CPU machine steals the cores the learner needs (2-core quick start: steps
-    2.64 -> 2.36 s, engine build 26 -> 14 s; BENCHMARKS.md).
-
-    On CPU also `TORCH_COMPILE_DISABLE=1` (unless the environment already sets it): with
-    `enforce_eager` vLLM compiles no model code, but its sampler still `torch.compile`s one helper
-    (`batched_count_greater_than`, the sampled token's rank, computed whenever logprobs are asked
-    for) with inductor on the engine's first step: Dynamo tracing, inductor, a g++ probe and three
-    `python -c` subprocesses, ~1.5 CPU-s and ~1.9 s of the first batch on the 2-core machine, while
-    eager runs it as fast (64 sequences: 0.17-0.19 s per batch either way; BENCHMARKS.md).
-
-    On GPU nothing is set: vLLM already runs a one-GPU engine in-process, needs its worker
-    processes for tensor parallelism, and its compiled kernels pay off there."""
-    if gpus > 0:
-        return {}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if in_process is False else "0",
-            "TORCH_COMPILE_DISABLE": os.environ.get("TORCH_COMPILE_DISABLE", "1")}
-
-
-def apply_engine_env(env: dict[str, str]) -> None:
-    """Put `engine_env`'s variables into this process's environment (read by vLLM when it builds the
-    engine config, and inherited by its engine-core process). torch reads `TORCH_COMPILE_DISABLE`
-    once, when `torch._dynamo.config` is imported (vLLM's import already did that), so the switch
-    is also set on that module; a forked engine core inherits it, a spawned one reads the variable."""
-    os.environ.update(env)
-    dynamo = sys.modules.get("torch._dynamo.config")
-    if dynamo is not None and "TORCH_COMPILE_DISABLE" in env:
-        dynamo.disable = env["TORCH_COMPILE_DISABLE"] == "1"
 
 
 def engine_dtype(dtype: str, gpus: float) -> str:
@@ -176,7 +140,7 @@ class RolloutConfig(Section):
     """vLLM CPU build: fork the engine-core process from the rollout actor instead of spawning it (a
     spawned one imports torch and vLLM again: 5-7 s of the first step's wait on 2 cores); None = True
     on CPU with the model worker in-process. Never on GPU, never for engines built outside a rollout
-    actor (`actors.engine.engine_core_forked`)."""
+    actor (`asyncrl.engine_setup.engine_core_forked`)."""
     max_model_len: int | None = None
     """Engine context length; None = derived (prompt + turns x response)."""
     max_num_batched_tokens: int = Field(8192, gt=0)

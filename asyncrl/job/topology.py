@@ -310,8 +310,8 @@ def probe_verifier(cfg: Config) -> None:
     verifier (or a broken model) fails the launch with its error instead of every conversation."""
     import asyncio
 
-    from asyncrl.actors.guided import render_verifier_messages
     from asyncrl.serve.client import VerifierClient
+    from asyncrl.verifier_protocol import render_verifier_messages
 
     client = VerifierClient(cfg.verifier, app_name="verifier")
     messages = render_verifier_messages("1 + 1", "2", ["1 + 1 = 2\n<answer>\\boxed{2}</answer>"],

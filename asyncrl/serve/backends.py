@@ -89,8 +89,7 @@ class VLLMVerifier(VerifierReplica):
         if not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeError(f"tokenizer at {tok_path} has no chat template")
         args = verifier_engine_args(c, tok_path, on_gpu)
-        from asyncrl.actors.engine import engine_core_forked
-        from asyncrl.config import apply_engine_env, engine_env
+        from asyncrl.engine_setup import apply_engine_env, engine_core_forked, engine_env
 
         apply_engine_env(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
         vllm_config = args.create_engine_config()

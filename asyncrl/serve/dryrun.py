@@ -32,7 +32,7 @@ def _collect(handle: Any, last: int, calls: int) -> list[tuple[dict[str, Any], s
 
 def compare(pairs: list[tuple[dict[str, Any], str, str]], stop_token: str = "###STOP###") -> dict[str, Any]:
     """Agreement of (request, running reply, candidate reply) triples."""
-    from asyncrl.actors.guided.verifier_io import parse_verifier_reply
+    from asyncrl.verifier_protocol import parse_verifier_reply
 
     n = len(pairs)
     same_stop = same_score = 0

@@ -63,7 +63,7 @@ def synth_dialogue(
     style: StudentStyle = StudentStyle(),
 ) -> list[dict]:
     """One dialogue as chat messages; assistant messages carry `train` (bool)."""
-    from asyncrl.actors.guided.verifier_io import parse_verifier_reply
+    from asyncrl.verifier_protocol import parse_verifier_reply
 
     items = problem_expr(problem)
     messages: list[dict] = [{"role": "user", "content": problem}]

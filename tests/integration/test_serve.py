@@ -24,10 +24,10 @@ import uuid
 import httpx
 import pytest
 
-from asyncrl.actors.guided.verifier_io import render_verifier_messages
 from asyncrl.config import VerifierClientConfig, VerifierConfig, VerifierHTTPConfig
 from asyncrl.serve.client import VerifierClient, _percentile
 from asyncrl.tasks import get_rule_verifier
+from asyncrl.verifier_protocol import render_verifier_messages
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from asyncrl.actors.guided.verifier_io import render_verifier_messages
+from asyncrl.verifier_protocol import render_verifier_messages
 
 pytestmark = pytest.mark.integration
 

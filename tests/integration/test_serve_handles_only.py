@@ -15,10 +15,10 @@ import uuid
 
 import pytest
 
-from asyncrl.actors.guided.verifier_io import render_verifier_messages
 from asyncrl.config import VerifierClientConfig, VerifierConfig
 from asyncrl.serve.client import VerifierClient
 from asyncrl.tasks import get_rule_verifier
+from asyncrl.verifier_protocol import render_verifier_messages
 
 pytestmark = pytest.mark.integration
 

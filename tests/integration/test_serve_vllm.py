@@ -24,9 +24,9 @@ import httpx
 import pytest
 from conftest import wordlevel_chatml_tokenizer
 
-from asyncrl.actors.guided.verifier_io import render_verifier_messages
 from asyncrl.config import VerifierClientConfig, VerifierConfig
 from asyncrl.serve.client import VerifierClient, _percentile
+from asyncrl.verifier_protocol import render_verifier_messages
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from asyncrl.actors.guided.verifier_io import render_verifier_messages
 from asyncrl.config import AutoscalingConfig, VerifierClientConfig, VerifierConfig
+from asyncrl.verifier_protocol import render_verifier_messages
 
 pytestmark = pytest.mark.integration
 

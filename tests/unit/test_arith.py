@@ -10,7 +10,6 @@ import re
 
 import pytest
 
-from asyncrl.actors.guided.verifier_io import parse_verifier_reply, render_verifier_messages
 from asyncrl.tasks import get_rule_verifier
 from asyncrl.tasks.arith import (
     DIFFICULTY,
@@ -24,6 +23,7 @@ from asyncrl.tasks.arith import (
     write_splits,
 )
 from asyncrl.tasks.arith_verifier import STOP, verify_turns
+from asyncrl.verifier_protocol import parse_verifier_reply, render_verifier_messages
 
 P = "Compute 7 + 3 * 4 - 2."  # canonical steps: 3 * 4 = 12, 7 + 12 = 19, 19 - 2 = 17
 

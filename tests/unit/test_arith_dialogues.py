@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import random
 
-from asyncrl.actors.guided.verifier_io import has_final_answer
 from asyncrl.tasks.arith import generate_split
 from asyncrl.tasks.arith_dialogues import CONTINUE_PROMPT, synth_dialogue
 from asyncrl.tasks.arith_verifier import verify_turns
+from asyncrl.verifier_protocol import has_final_answer
 
 
 def test_guided_dialogues_are_consistent_with_the_verifier():

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from asyncrl.config import Config, engine_env, rollout_cpu_nice
+from asyncrl.config import Config, rollout_cpu_nice
+from asyncrl.engine_setup import engine_env
 
 
 def test_cpu_engines_run_their_worker_in_process_unless_told_not_to(monkeypatch):
@@ -31,7 +32,7 @@ def test_the_compile_switch_reaches_an_already_imported_torch():
     code = """
 import os, torch, torch._dynamo.config as dynamo
 from torch._dynamo.utils import counters
-from asyncrl.config import apply_engine_env, engine_env
+from asyncrl.engine_setup import apply_engine_env, engine_env
 os.environ.pop("TORCH_COMPILE_DISABLE", None)
 assert not dynamo.disable
 apply_engine_env(engine_env(0, None))

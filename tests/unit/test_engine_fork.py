@@ -1,4 +1,4 @@
-"""`actors.engine.engine_core_forked`: when vLLM's engine-core process is forked instead of spawned,
+"""`asyncrl.engine_setup.engine_core_forked`: when vLLM's engine-core process is forked instead of spawned,
 what the context changes and restores, and what a forked child keeps of its parent's descriptors.
 The engine itself, forked from a Ray actor, is built in tests/integration/test_fleet_launch.py."""
 
@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-import asyncrl.actors.engine as engine
+import asyncrl.engine_setup as engine
 
 pytest.importorskip("vllm")
 
@@ -44,7 +44,7 @@ def test_no_fork_when_disabled_or_torch_runs_several_threads(monkeypatch, caplog
     (reproduced: torch at 2 threads, a matmul, fork, a matmul in the child: never returns)."""
     monkeypatch.setattr(engine, "_torch_threads", lambda: threads)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    with caplog.at_level("INFO", logger="asyncrl.actors.engine"), engine.engine_core_forked(enabled):
+    with caplog.at_level("INFO", logger="asyncrl.engine_setup"), engine.engine_core_forked(enabled):
         assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
         assert not engine._FORKING_ENGINE_CORE
     assert ("spawned, not forked" in caplog.text) == enabled

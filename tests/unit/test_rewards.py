@@ -123,7 +123,7 @@ def test_extract_boxed_content(text: str, expected: str) -> None:
 def test_answer_format(response: str, ok: bool) -> None:
     assert answer_format_ok(response) is ok
     # The rollout accepts STOP with the same final-answer rule as the reward's format check: keep them identical.
-    from asyncrl.actors.guided.verifier_io import has_final_answer
+    from asyncrl.verifier_protocol import has_final_answer
 
     assert has_final_answer(response) is ok
 

@@ -52,7 +52,7 @@ from asyncrl.actors.guided.training import (
     build_training_sample,
     sample_metadata,
 )
-from asyncrl.actors.guided.verifier_io import (
+from asyncrl.verifier_protocol import (
     NEUTRAL_HALLUCINATION_SCORE,
     SCORE_PATTERN,
     VerifierReply,

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from asyncrl.actors.guided.chat import PolicyChat
 from asyncrl.actors.guided.options import GuideOptions
-from asyncrl.actors.guided.verifier_io import (
+from asyncrl.verifier_protocol import (
     VerifierReply,
     aggregate_hallucination,
     flatten_content,
