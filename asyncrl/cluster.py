@@ -43,7 +43,7 @@ def job_runtime_env(cfg: Config) -> dict[str, Any]:
         **job_nccl_env(),  # one value in every process before its first NCCL communicator
     }
     return {"py_modules": [str(package)], "excludes": ["__pycache__", "*.pyc"], "env_vars": env_vars,
-            "worker_process_setup_hook": "asyncrl.ray_lean.worker_setup"}  # no pyarrow per process (ray_lean)
+            "worker_process_setup_hook": "asyncrl.small_machine.patches.worker_setup"}  # no pyarrow per process (small_machine.patches)
 
 
 # ------------------------------------------------------------------------------------ resources

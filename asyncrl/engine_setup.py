@@ -136,20 +136,18 @@ def engine_core_forked(enabled: bool, after_fork: Callable[[], None] | None = No
             after_fork()
         yield False
         return
-    import vllm.utils.system_utils as vllm_system
+    from asyncrl.small_machine.patches import vllm_forks_in_ray_actor
 
     saved_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
-    saved_check = vllm_system.is_in_ray_actor
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-    vllm_system.is_in_ray_actor = lambda: False  # else `get_mp_context` turns the fork back into a spawn
     _FORKING_ENGINE_CORE = True
     _AFTER_FORK_IN_PARENT = after_fork
     try:
-        yield True
+        with vllm_forks_in_ray_actor():  # else vLLM's `get_mp_context` turns the fork back into a spawn
+            yield True
     finally:
         _FORKING_ENGINE_CORE = False
         _AFTER_FORK_IN_PARENT = None  # a build that failed before its fork: nothing to run beside it
-        vllm_system.is_in_ray_actor = saved_check
         if saved_method is None:
             os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
         else:

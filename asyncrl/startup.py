@@ -6,7 +6,6 @@ start-up step: announced, timed, and any error turned into a one-line `StartupEr
 envelope, with where the traceback is). A component wraps its own start-up code in `starting(name)`
 (inside its process): the traceback goes to its log file (asyncrl.logs) and a `ComponentStartError`
 of plain strings travels to the driver, so even a cause Ray cannot pickle arrives as its message.
-`gc_paused` runs a process's heavy imports without Python's cyclic garbage collector.
 `RepeatedFailure` stops a job whose component keeps failing the same way; `check_reachable` fails
 fast on a cluster address nothing listens at; `StopFlag` is what SIGINT/SIGTERM set and the
 training loop reads. This module imports nothing of asyncrl's roles, so the runtime, the topology,
@@ -15,7 +14,6 @@ the fleet, the trainer and `asyncrl.ctl` can all use it without an import cycle.
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 import signal
@@ -108,24 +106,6 @@ def node_host() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray: the hostname says enough
         return socket.gethostname()
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off inside (restored as it was on exit). For a process's
-    imports of torch, transformers and vLLM: they allocate millions of objects, each allocation
-    burst triggers a collection, and a full collection walks every object allocated so far; import
-    creates almost no garbage. `import vllm` + `AsyncLLM` on the 2-core machine: 12.5-14.0 CPU-s
-    with the collector, 11.1-11.7 without (alternating, 3 each). Keep it around imports and
-    configuration only: a process forked inside would inherit the collector off for its whole life
-    (the rollout actor leaves it before vLLM forks its engine core)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextmanager

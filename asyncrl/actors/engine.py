@@ -132,7 +132,7 @@ class PolicyEngine:
         native-path round then hung in the engine; reproduced in tests/integration/test_engine.py).
         `beside_build`: called once the engine-core process exists (`engine_core_forked`'s
         `after_fork`), to start work that runs while the engine core builds (~3 s on CPU)."""
-        from asyncrl.startup import gc_paused
+        from asyncrl.small_machine.process import gc_paused
 
         # vLLM's imports (here and in its engine config below) without the cyclic GC: ~20 % less CPU
         with gc_paused():

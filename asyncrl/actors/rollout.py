@@ -29,31 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncrl.config import Config, rollout_cpu_nice
+from asyncrl.small_machine.process import renice, renice_children
 
 log = logging.getLogger("asyncrl.rollout")
 BUSY_STATE_S = 0.5  # how often a loop with every group slot busy asks the coordinator whether to stop
-
-
-def renice(nice: int | None) -> None:
-    """Set this process's niceness to `nice` (absolute, so a restart does not add up; only ever
-    raised, which needs no privilege); None leaves it."""
-    if nice is not None and nice > os.nice(0):
-        os.nice(nice - os.nice(0))
-
-
-def renice_children(nice: int | None) -> None:
-    """`renice` for this process's descendants (the engine core vLLM spawned inherited the
-    niceness this process had then)."""
-    import psutil
-
-    if nice is None:
-        return
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if nice > child.nice():
-                child.nice(nice)
-        except psutil.Error:  # gone, or not ours to change
-            continue
 
 
 class RolloutWorker:
@@ -105,7 +84,7 @@ class RolloutWorker:
             return await self._start()
 
     async def _start(self) -> dict[str, Any]:
-        from asyncrl.startup import gc_paused
+        from asyncrl.small_machine.process import gc_paused
 
         with gc_paused():  # transformers' import and the tokenizer's (the engine's: in PolicyEngine)
             import ray

@@ -70,7 +70,7 @@ def ray_init(cfg: Config, namespace: str) -> None:
     import ray
 
     from asyncrl.cluster import job_runtime_env
-    from asyncrl.ray_lean import defer_arrow_serializers, lean_head
+    from asyncrl.small_machine.patches import defer_arrow_serializers, lean_head
 
     defer_arrow_serializers()  # the driver's serialization context is built inside ray.init
     env = job_runtime_env(cfg)
@@ -85,7 +85,7 @@ def ray_init(cfg: Config, namespace: str) -> None:
                 " (a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here)")
             raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}{hint}") from exc
     else:
-        # no API server, autoscaler monitor or (quiet) log monitor: nothing here uses them (asyncrl.ray_lean)
+        # no API server, autoscaler monitor or (quiet) log monitor: nothing here uses them (asyncrl.small_machine.patches)
         with lean_head(log_monitor=verbose()):
             ray.init(**embedded_ray_options(cfg), namespace=namespace, runtime_env=env, logging_level="WARNING",
                      log_to_driver=verbose())  # quiet mode: the actors write to <run_dir>/logs/ (asyncrl.logs)
@@ -233,12 +233,10 @@ def _load_rows_in_background(cfg: Config) -> threading.Thread:
     would take the cores from the engine and learner builds, at 19 it starved behind them and the
     coordinator, which needs the rows and which the engines need next, came late."""
     from asyncrl.data import preload_training_rows
+    from asyncrl.small_machine.process import set_thread_niceness
 
     def preload() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)
-        except (AttributeError, OSError):  # not Linux: the thread runs at the driver's priority
-            pass
+        set_thread_niceness(15)
         preload_training_rows(cfg)
 
     thread = threading.Thread(target=preload, name="asyncrl-rows", daemon=True)

@@ -38,34 +38,6 @@ from asyncrl.learner import checkpoint as ckpt
 __all__ = ["LearnerGroup", "LearnerActor"]
 
 
-def _yield_while_building() -> bool:
-    """A CPU learner builds at the lowest priority (niceness 19) where it may raise it again
-    afterwards (`_raise_priority`: root or CAP_SYS_NICE), so the engine builds, which the first step
-    waits for longer, go first: on the 2-core quick start the learner is ready seconds before the
-    engine. Where it may not, nothing changes (a learner left at 19 would lose to the engines for
-    the whole job). Linux niceness is per thread: this is the calling thread, which builds and then
-    trains. Returns whether it yielded."""
-    now = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, now - 1)  # the permission `_raise_priority` will need
-    except OSError:
-        return False
-    os.setpriority(os.PRIO_PROCESS, 0, 19)
-    return True
-
-
-def _raise_priority() -> None:
-    """A CPU learner shares its cores with the rollout engines (niced by `rollout.cpu_nice`): undo
-    the niceness Ray starts its workers at (15; 19 during the build, `_yield_while_building`), where
-    the process may (root or CAP_SYS_NICE), so the learner, the job's critical path, is scheduled
-    first. Elsewhere nothing changes. Called once the learner is built: during start-up the engine
-    builds are the critical path (the rollout actors renice themselves only after theirs)."""
-    try:
-        os.nice(-os.nice(0))
-    except OSError:
-        pass
-
-
 class LearnerActor:
     """Ray actor body: holds one `LearnerWorker` (built by `setup`, rebuildable with a new config)."""
 
@@ -87,14 +59,15 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, cfg_json: str, rank: int, world_size: int, master_addr: str, master_port: int) -> int:
-        from asyncrl.startup import gc_paused, starting
+        from asyncrl.small_machine.process import gc_paused, raise_priority, yield_while_building
+        from asyncrl.startup import starting
 
         cfg = Config.model_validate_json(cfg_json)
         os.environ.setdefault("LOCAL_RANK", "0")
         if self.worker is not None:
             self.worker.close()
         if cfg.learner.num_gpus == 0:
-            _yield_while_building()
+            yield_while_building()
         # torch's, DeepSpeed's and transformers' imports and the build without the cyclic GC (less CPU)
         with gc_paused(), starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
             import torch
@@ -105,7 +78,7 @@ class LearnerActor:
 
             self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
         if cfg.learner.num_gpus == 0:  # built at 19 where permitted (else at Ray's 15): now train first
-            _raise_priority()
+            raise_priority()
         state = cfg.run_path / "state"
         if state.is_dir():  # which process is which rank (fault drills)
             (state / f"learner_rank_{rank}.pid").write_text(str(os.getpid()))

@@ -106,10 +106,11 @@ def model_architectures(model_path: str) -> list[str]:
 @cache
 def vllm_serves_lora(architecture: str) -> bool:
     """Whether vLLM's model class for `architecture` implements LoRA (`SupportsLoRA`)."""
-    from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
 
-    cls = ModelRegistry._try_load_model_cls(architecture)
+    from asyncrl.small_machine.patches import vllm_model_class
+
+    cls = vllm_model_class(architecture)
     return cls is not None and bool(supports_lora(cls))
 
 

@@ -1,5 +1,5 @@
 """The embedded Ray cluster starts no idle workers the job cannot use (asyncrl.job.runtime.embedded_ray_options)
-and none of the head daemons it does not use (asyncrl.ray_lean.lean_head).
+and none of the head daemons it does not use (asyncrl.small_machine.patches.lean_head).
 
 Without the option, the raylet prestarts one default worker per CPU when the driver connects; they
 have no runtime_env, so the job's actors (all created under the job's runtime_env) get workers of
@@ -16,7 +16,7 @@ import pytest
 from asyncrl.cluster import job_runtime_env, probe_this_node
 from asyncrl.config import Config
 from asyncrl.job.runtime import embedded_ray_options
-from asyncrl.ray_lean import lean_head
+from asyncrl.small_machine.patches import lean_head
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_embedded_cluster_starts_only_the_workers_its_actors_use() -> None:
         actor_pid = ray.get(probe.pid.remote(), timeout=120)
         assert ray.get(probe.job_env.remote(), timeout=60) == "1"  # the job's runtime_env reached the actor
         # its setup hook too: Ray's serialization context (built for the calls above) imported pyarrow
-        # in every worker before (asyncrl.ray_lean)
+        # in every worker before (asyncrl.small_machine.patches)
         assert ray.get(probe.imported.remote("pyarrow"), timeout=60) is False
         time.sleep(3)  # a prestart is issued when the driver registers; give it time to show
         assert _python_workers(raylet) == {actor_pid}  # num_cpus (>= 4) idle workers without the option

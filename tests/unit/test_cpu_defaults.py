@@ -76,20 +76,17 @@ def _nice_after(code: str) -> int:
 
 
 def test_a_rollout_actor_renices_itself_absolutely_and_only_upwards():
-    from asyncrl.actors import rollout
-
-    assert _nice_after("from asyncrl.actors.rollout import renice; renice(19)") == 19
-    assert _nice_after("from asyncrl.actors.rollout import renice; renice(19); renice(19)") == 19  # not 38
-    assert _nice_after("from asyncrl.actors.rollout import renice; renice(10)") == 15  # never lowered
-    assert _nice_after("from asyncrl.actors.rollout import renice; renice(None)") == 15
-    assert callable(rollout.renice)
+    assert _nice_after("from asyncrl.small_machine.process import renice; renice(19)") == 19
+    assert _nice_after("from asyncrl.small_machine.process import renice; renice(19); renice(19)") == 19  # not 38
+    assert _nice_after("from asyncrl.small_machine.process import renice; renice(10)") == 15  # never lowered
+    assert _nice_after("from asyncrl.small_machine.process import renice; renice(None)") == 15
 
 
 def test_an_engine_built_at_rays_niceness_is_reniced_with_its_children_afterwards():
     # The rollout actor builds its engine at Ray's 15 (the first step waits for it), then gives
     # itself and the engine core it spawned meanwhile `rollout.cpu_nice`: here a child started at
     # 15 ends at 19, and one the test already put at 19 is left (never lowered).
-    code = ("import subprocess, sys, psutil; from asyncrl.actors.rollout import renice, renice_children; "
+    code = ("import subprocess, sys, psutil; from asyncrl.small_machine.process import renice, renice_children; "
             "a = subprocess.Popen(['sleep', '30']); b = subprocess.Popen(['nice', '-n', '4', 'sleep', '30']); "
             "import time; time.sleep(0.3); renice(19); renice_children(19); "
             "print(psutil.Process(a.pid).nice(), psutil.Process(b.pid).nice()); a.kill(); b.kill()")
@@ -101,7 +98,7 @@ def test_an_engine_built_at_rays_niceness_is_reniced_with_its_children_afterward
 
 
 def test_a_cpu_learner_takes_back_rays_niceness_where_it_may():
-    after = _nice_after("from asyncrl.learner.group import _raise_priority; _raise_priority()")
+    after = _nice_after("from asyncrl.small_machine.process import raise_priority; raise_priority()")
     # where a process may lower its niceness (root with CAP_SYS_NICE): back to 0; otherwise
     # unchanged, and no error
     may = _nice_after("exec('try: os.nice(-1)\\nexcept OSError: pass')") == 14
@@ -110,28 +107,28 @@ def test_a_cpu_learner_takes_back_rays_niceness_where_it_may():
 
 def test_a_cpu_learner_builds_at_19_only_where_it_can_raise_itself_again():
     """During start-up the engine builds are the critical path: a CPU learner builds at 19 and then
-    raises itself (`_raise_priority`), but only where raising is permitted; otherwise a learner
+    raises itself (`raise_priority`), but only where raising is permitted; otherwise a learner
     left at 19 would lose to the engines for the whole job, so it stays where Ray started it."""
     import os
 
     if os.geteuid() == 0:  # root (this machine, CI): builds at 19, then trains at 0
-        assert _nice_after("from asyncrl.learner.group import _yield_while_building as y, _raise_priority as r; "
+        assert _nice_after("from asyncrl.small_machine.process import yield_while_building as y, raise_priority as r; "
                            "assert y() is True and os.nice(0) == 19; r()") == 0
     unprivileged = ("import os as o; real = o.setpriority\n"
                     "def deny(which, who, prio):\n"
                     "    if prio < o.getpriority(which, who): raise PermissionError(13, 'denied')\n"
                     "    real(which, who, prio)\n"
                     "o.setpriority = deny\n"
-                    "from asyncrl.learner.group import _yield_while_building as y; assert y() is False")
+                    "from asyncrl.small_machine.process import yield_while_building as y; assert y() is False")
     assert _nice_after(f"exec({unprivileged!r})") == 15  # not yielded: nothing changed
 
 
 def test_gc_paused_turns_the_collector_off_inside_and_restores_it():
-    """`asyncrl.startup.gc_paused` (around the rollout actor's and the learner's imports): off inside,
+    """`asyncrl.small_machine.process.gc_paused` (around the rollout actor's and the learner's imports): off inside,
     as it was after, also after an error, and never turned on by it where it was off."""
     import gc
 
-    from asyncrl.startup import gc_paused
+    from asyncrl.small_machine.process import gc_paused
 
     assert gc.isenabled()
     with gc_paused():

@@ -99,9 +99,9 @@ print("pyarrow" in sys.modules, "pyarrow" in ctx.types)
     # and registers Ray Data's Arrow serializers, in every process of the job
     ("", "True True"),
     # with the hook (every worker of the job, and the launcher before ray.init): no pyarrow
-    ("from asyncrl.ray_lean import defer_arrow_serializers; assert defer_arrow_serializers()", "False False"),
+    ("from asyncrl.small_machine.patches import defer_arrow_serializers; assert defer_arrow_serializers()", "False False"),
     # a process that already uses Arrow keeps Ray's serializers
-    ("import pyarrow; from asyncrl.ray_lean import defer_arrow_serializers; defer_arrow_serializers()", "True True"),
+    ("import pyarrow; from asyncrl.small_machine.patches import defer_arrow_serializers; defer_arrow_serializers()", "True True"),
 ])
 def test_ray_serialization_context_imports_pyarrow_only_where_it_is_used(pre, expected):
     out = subprocess.run([sys.executable, "-c", _SERIALIZATION_CONTEXT.format(pre=pre)], capture_output=True,
