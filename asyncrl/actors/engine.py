@@ -117,7 +117,7 @@ class PolicyEngine:
                  store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
                  version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
                  limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3,
-                 worker_extension: str = EXTENSION, fork_engine_core: bool = False,
+                 worker_extension: str = EXTENSION, small_machine: bool = False,
                  beside_build: Callable[[], None] | None = None) -> None:
         """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
         (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
@@ -125,8 +125,9 @@ class PolicyEngine:
         `adapter_config.json` of a LoRA policy synced as adapters (`actors.lora.AdapterSlots`, at
         most `lora_keep` versions loaded); versions then arrive as adapters, not weights.
         `worker_extension`: vLLM's `worker_extension_cls`, `EXTENSION` or a subclass of it (tests).
-        `fork_engine_core`: on CPU, fork vLLM's engine-core process from this one instead of spawning
-        it (`engine_core_forked`; `rollout.engine_fork` can turn it off). Only for a process that does
+        `small_machine` (`cluster.small_machine`): vLLM's imports without the cyclic GC and, on CPU,
+        its engine-core process forked from this one instead of spawned (`engine_core_forked`;
+        `rollout.engine_fork` can turn the fork off). Only for a process that does
         nothing but own the engine (the rollout actor): the child inherits every module's state of
         the parent, e.g. the weight groups of a test process that also ran the sender side (a
         native-path round then hung in the engine; reproduced in tests/integration/test_engine.py).
@@ -135,7 +136,7 @@ class PolicyEngine:
         from asyncrl.small_machine.process import gc_paused
 
         # vLLM's imports (here and in its engine config below) without the cyclic GC: ~20 % less CPU
-        with gc_paused():
+        with gc_paused(small_machine):
             import torch
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -185,9 +186,9 @@ class PolicyEngine:
         env = engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process)
         apply_engine_env(env)
         in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # CPU, model worker in the engine core
-        with gc_paused():  # left before the engine core is forked: the child would inherit it off
+        with gc_paused(small_machine):  # left before the engine core is forked: the child would inherit it off
             vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
-        fork = fork_engine_core and in_process and getattr(cfg, "engine_fork", None) is not False
+        fork = small_machine and in_process and getattr(cfg, "engine_fork", None) is not False
         with engine_core_forked(fork, after_fork=beside_build) as forked:
             self.llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.engine_core_start = "forked" if forked else "spawned"  # reported in the actor's start line

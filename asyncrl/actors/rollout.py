@@ -101,7 +101,7 @@ class RolloutWorker:
         if self.engine is not None:  # start() again on a live actor (after a failed loop)
             self.engine.shutdown()
         _kill_orphans(self._pid_file())  # engine processes left by a previous incarnation (SIGKILL/OOM)
-        with gc_paused():
+        with gc_paused(cfg.cluster.small_machine):
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
@@ -113,13 +113,14 @@ class RolloutWorker:
         prepare = (lambda: loop.run_in_executor(None, self.verifier.prepare)) if self.verifier is not None else None
         self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
                                    tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
-                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, fork_engine_core=True,
+                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, small_machine=bool(cfg.cluster.small_machine),
                                    beside_build=prepare, **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
         # The engine is built at Ray's niceness: it is what the first step waits for (at 19 it got
         # ~30 % of a core against the learner's start, at 15 like the learner). Generating, it
         # yields to the learner, the job's critical path from now on (`rollout.cpu_nice`).
-        nice = rollout_cpu_nice(cfg.rollout.gpus_per_actor, cfg.rollout.cpu_nice)
+        nice = rollout_cpu_nice(cfg.rollout.gpus_per_actor, cfg.rollout.cpu_nice) if cfg.cluster.small_machine \
+            else cfg.rollout.cpu_nice
         renice(nice)
         renice_children(nice)
         self.reward_fn = load_reward(cfg.reward)

@@ -67,6 +67,8 @@ class Config(Section):
             self.learner.norm_length = d.max_response_length * (g.max_turns if full else 1)
         if self.learner.micro_batch_tokens is None:
             self.learner.micro_batch_tokens = learner_device_defaults(self.learner.num_gpus)
+        if self.cluster.small_machine is None:
+            self.cluster.small_machine = not self.on_gpu and self.verifier.gpus_per_replica == 0
         eager, memory = rollout_device_defaults(r.gpus_per_actor)
         if r.enforce_eager is None:
             r.enforce_eager = eager

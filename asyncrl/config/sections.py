@@ -214,6 +214,11 @@ class ClusterConfig(Section):
     min_shm_gb: float = Field(1.0, ge=0)
     """Smallest /dev/shm the launcher and doctor accept on a node hosting an engine or a learner
     rank (Kubernetes pods default to 64 MB: mount an emptyDir of medium Memory there)."""
+    small_machine: bool | None = None
+    """Tuning for a machine whose few cores every process of the job shares (the CPU quick starts):
+    the embedded Ray head without its idle daemons, vLLM's engine core forked instead of spawned,
+    heavy imports without the cyclic GC, the rollout engines niced below the learner
+    (`asyncrl.small_machine`). None = derived: on when no role uses a GPU."""
     max_identical_failures: int = Field(3, ge=1)
     """A rollout actor that fails this many times in a row with the same error stops the job
     (naming the actor, its host and the address it could not reach) instead of restarting forever."""

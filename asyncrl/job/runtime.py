@@ -15,6 +15,7 @@ at once. A component that dies during training: one line naming it, a checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -86,7 +87,7 @@ def ray_init(cfg: Config, namespace: str) -> None:
             raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}{hint}") from exc
     else:
         # no API server, autoscaler monitor or (quiet) log monitor: nothing here uses them (asyncrl.small_machine.patches)
-        with lean_head(log_monitor=verbose()):
+        with lean_head(log_monitor=verbose()) if cfg.cluster.small_machine else contextlib.nullcontext():
             ray.init(**embedded_ray_options(cfg), namespace=namespace, runtime_env=env, logging_level="WARNING",
                      log_to_driver=verbose())  # quiet mode: the actors write to <run_dir>/logs/ (asyncrl.logs)
 

@@ -66,10 +66,10 @@ class LearnerActor:
         os.environ.setdefault("LOCAL_RANK", "0")
         if self.worker is not None:
             self.worker.close()
-        if cfg.learner.num_gpus == 0:
+        if cfg.cluster.small_machine:
             yield_while_building()
         # torch's, DeepSpeed's and transformers' imports and the build without the cyclic GC (less CPU)
-        with gc_paused(), starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
+        with gc_paused(bool(cfg.cluster.small_machine)), starting(f"learner rank {rank}"):  # one line for the driver, the traceback in learner-N.log
             import torch
 
             if cfg.learner.num_gpus == 0:
@@ -77,7 +77,7 @@ class LearnerActor:
             from asyncrl.learner.learner import LearnerWorker
 
             self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
-        if cfg.learner.num_gpus == 0:  # built at 19 where permitted (else at Ray's 15): now train first
+        if cfg.cluster.small_machine:  # built at 19 where permitted (else at Ray's 15): now train first
             raise_priority()
         state = cfg.run_path / "state"
         if state.is_dir():  # which process is which rank (fault drills)

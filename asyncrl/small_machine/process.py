@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused(enabled: bool = True) -> Iterator[None]:
     """Python's cyclic garbage collector off inside (restored as it was on exit). For a process's
     imports of torch, transformers and vLLM: they allocate millions of objects, each allocation
     burst triggers a collection, and a full collection walks every object allocated so far; import
@@ -22,6 +22,9 @@ def gc_paused() -> Iterator[None]:
     with the collector, 11.1-11.7 without (alternating, 3 each). Keep it around imports and
     configuration only: a process forked inside would inherit the collector off for its whole life
     (the rollout actor leaves it before vLLM forks its engine core)."""
+    if not enabled:
+        yield
+        return
     was_enabled = gc.isenabled()
     gc.disable()
     try:

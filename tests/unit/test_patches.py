@@ -33,3 +33,25 @@ def test_vllm_fork_patch_is_restored() -> None:
     with patches.vllm_forks_in_ray_actor():
         assert vllm_system.is_in_ray_actor() is False
     assert vllm_system.is_in_ray_actor is before
+
+
+def test_the_small_machine_switch_is_derived_from_the_gpus_and_can_be_set() -> None:
+    from asyncrl.config import Config
+
+    assert Config().cluster.small_machine is True  # no role uses a GPU
+    assert Config.model_validate({"rollout": {"gpus_per_actor": 1}}).cluster.small_machine is False
+    assert Config.model_validate({"learner": {"num_gpus": 1}}).cluster.small_machine is False
+    assert Config.model_validate({"cluster": {"small_machine": False}}).cluster.small_machine is False
+
+
+def test_gc_paused_is_a_no_op_when_the_switch_is_off() -> None:
+    import gc
+
+    from asyncrl.small_machine.process import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused(False):
+        assert gc.isenabled()
+    with gc_paused(True):
+        assert not gc.isenabled()
+    assert gc.isenabled()
