@@ -63,6 +63,21 @@ class LearnerWeights(Protocol):
     def broadcast_weights(self) -> dict[str, Any]: ...
 
 
+def launch_actors(cfg: Config, actor_cls: ActorClass, namespace: str, buffer: ActorHandle, count: int, *,
+                  first_index: int = 0, buffer_address: str = "") -> dict[str, tuple[ActorHandle, ObjectRef]]:
+    """Create `count` rollout actors (`rollout-<first_index>`, ...) and begin their `start()` (the
+    engine builds) without waiting: {actor id: (handle, its start)}. An actor given no
+    `buffer_address` asks `buffer` for it once its engine is up, so the engines can build while the
+    buffer, the coordinator and the learner start; `RolloutFleet.join` finishes the start."""
+    pending = {}
+    for index in range(first_index, first_index + count):
+        actor_id = f"rollout-{index}"
+        actor = actor_cls.options(name=actor_id, resources=cfg.cluster.resources.get("rollout")).remote(
+            cfg.model_dump_json(), actor_id, buffer_address, namespace, buffer)
+        pending[actor_id] = (actor, actor.start.remote())
+    return pending
+
+
 class RolloutFleet:
     def __init__(self, cfg: Config, actor_cls: ActorClass, *, buffer_address: str, namespace: str,
                  coordinator: ActorHandle | None, buffer: ActorHandle, learner: LearnerWeights | None) -> None:
@@ -70,9 +85,9 @@ class RolloutFleet:
         self.actor_cls = actor_cls
         self.buffer_address = buffer_address
         self.namespace = namespace
-        self.coordinator = coordinator  # may be set after `launch` too
+        self.coordinator = coordinator
         self.buffer = buffer
-        self.learner = learner  # may be set after `launch` (start-up overlaps the engine builds)
+        self.learner = learner  # replaced when the learner is rebuilt (asyncrl.job.recovery)
         self.actors: dict[str, ActorHandle] = {}
         self.loops: dict[str, ObjectRef] = {}  # actor id -> its running `run()` call
         self.next_index = 0  # actor ids are never reused: rollout-0, rollout-1, ...
@@ -91,13 +106,9 @@ class RolloutFleet:
     def launch(self, count: int) -> dict[str, tuple[ActorHandle, ObjectRef]]:
         """Create `count` new actors and begin their `start()` (the engine builds) without waiting,
         so the driver can start other components meanwhile; `join` finishes the start."""
-        pending = {}
-        for _ in range(count):
-            actor_id = f"rollout-{self.next_index}"
-            self.next_index += 1
-            actor = self.actor_cls.options(name=actor_id, resources=self.cfg.cluster.resources.get("rollout")).remote(
-                self.cfg.model_dump_json(), actor_id, self.buffer_address, self.namespace, self.buffer)
-            pending[actor_id] = (actor, actor.start.remote())
+        pending = launch_actors(self.cfg, self.actor_cls, self.namespace, self.buffer, count,
+                                first_index=self.next_index, buffer_address=self.buffer_address)
+        self.next_index += count
         self._launching.update({aid: actor for aid, (actor, _) in pending.items()})
         return pending
 
@@ -114,6 +125,7 @@ class RolloutFleet:
         self.actors.update({aid: actor for aid, (actor, _) in pending.items()})
         for aid in pending:
             self._launching.pop(aid, None)
+            self.next_index = max(self.next_index, int(aid.rsplit("-", 1)[1]) + 1)  # launched before the fleet existed
         self.enrol(list(pending))
         return list(pending)
 

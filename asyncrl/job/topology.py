@@ -1,17 +1,15 @@
 """The components of a running job: `build_topology` starts them, `Topology` holds them.
 
-Read `build_topology` top to bottom to see every component of a job and the order they start in:
-the verifier service (in the background, from the first moment), replay buffer (its process
-started), the learner's placement (reserved before any engine), learner group (ranks building in
-the background), rollout fleet (launched, engines building), weight store (in the background),
-data (the rows the launcher loads in the background), coordinator (its process started),
-coordinator and replay buffer (waited for), weight store (waited for), learner group (waited for),
-weight sender (publishing version 0), verifier service (waited for), rollout fleet (joined) and, on
-resume, a first weight broadcast: what the first step waits for (the learner, the engines) is asked
-of Ray first. Each step is timed and a step that cannot start fails the launch with its name
-(asyncrl.startup.StartupError), with everything already started torn down. `Topology.shutdown`
-stops them in reverse start order (the fleet first, so no actor pushes to a buffer that is gone).
-`describe_failure` names the component behind an error.
+Read `build_topology` top to bottom to see every component of a job in the order it starts: the
+verifier service (in the background, from the first moment), the replay buffer's process, the
+learner's placement (reserved before any engine), the learner's ranks (building in the background),
+the rollout actors (engines building), the weight store (background), the data, the coordinator,
+the buffer's socket, then the waits: weight store, learner, its state, the weight sender (publishing
+version 0), the verifier, and the rollout fleet joined; on resume a first weight broadcast.
+`asyncrl.job.plan.StartPlan` runs the steps: each is timed, one that cannot start fails the launch
+with its name (asyncrl.startup.StartupError), with everything already started torn down.
+`Topology.shutdown` stops the components in reverse start order (the fleet first, so no actor
+pushes to a buffer that is gone). `describe_failure` names the component behind an error.
 """
 
 from __future__ import annotations
@@ -21,14 +19,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Thread
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.job.plan import StartPlan
 from asyncrl.startup import StartupError, root_cause, say, step_timer
 
 log = logging.getLogger(__name__)
@@ -60,7 +58,22 @@ class Topology:
     weight_store: WeightStoreHandle | None = None  # the published copy for late joiners, owned by the job
     weight_address: str = ""  # the learner's weight rendezvous (changes when the learner is rebuilt)
     fleet: RolloutFleet | None = None
+    launching: dict[str, Any] = field(default_factory=dict)  # rollout actors launched, the fleet not built yet
     hosts: dict[str, str] = field(default_factory=dict)  # component -> node address (error messages)
+
+    def adopt(self, key: str, started: Any) -> None:
+        """After a failed start-up step: what a background start (`StartPlan.begin`) returned, or
+        the exception it raised, held here so `shutdown` stops it. A verifier whose deployment or
+        probe failed may still have started Serve: stopped now."""
+        if isinstance(started, BaseException):
+            if key == "verifier":
+                _stop_serve()
+        elif key == "weight store":
+            self.weight_store = started
+        elif key == "learner":
+            self.learner, self.learner_placement = started, None  # the group's shutdown removes its placement
+        elif key == "verifier":
+            self.verifier = started
 
     def shutdown(self) -> None:
         """Stop every component, the fleet first; how long each took goes to the driver's log."""
@@ -70,6 +83,12 @@ class Topology:
         if self.fleet is not None:
             with _timed(took, "fleet"):
                 self.fleet.shutdown()
+        if self.launching:
+            from asyncrl.actors.fleet import RolloutFleet
+
+            with _timed(took, "rollout actors launched"):
+                RolloutFleet._kill_all([actor for actor, _ in self.launching.values()])
+            self.launching = {}
         if self.learner is not None:
             with _timed(took, "learner"):
                 self.learner.shutdown()
@@ -110,142 +129,151 @@ def _timed(took: dict[str, float], name: str) -> Iterator[None]:
 
 
 def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading: Thread | None = None) -> Topology:
-    """Every component of a job, in start order. Each step is timed and fails with its name.
-    `rows_loading`: the launcher's thread loading the training rows (`data.preload_training_rows`),
-    waited for by the data step."""
+    """Every component of a job, in dependency order (each step timed, a failure named; `StartPlan`).
+    What only waits (a deployment, a process start, a model build) begins in the background as soon
+    as what it needs exists; what the first step waits for, the learner and the engines, is asked of
+    Ray before the rest. `rows_loading`: the launcher's thread loading the training rows."""
     import ray
 
-    from asyncrl.actors.fleet import RolloutFleet
+    from asyncrl.actors.fleet import RolloutFleet, launch_actors
     from asyncrl.actors.rollout import make_rollout_actor_class
-    from asyncrl.data import has_preloaded_rows, load_training_rows
-    from asyncrl.job.coordinator import COORDINATOR_NAME, Coordinator
     from asyncrl.learner.group import LearnerGroup, reserve_placement
-    from asyncrl.replay.host import BufferHost
     from asyncrl.weights.store import start_weight_store
 
-    namespace = ray.get_runtime_context().namespace
-    topo = Topology(cfg, run_dir, namespace)
-    timeout = cfg.cluster.startup_timeout_s
-    verifier_step = f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})"
-    # Components whose start is mostly waiting (a process start, a deployment) start in the
-    # background; their steps below only wait for them. Ray starts worker processes a few at a time
-    # (at most one per core at once), in the order they were asked for: the learner's ranks and the
-    # engines, what the first step waits for, are asked for before the coordinator and the weight
-    # store. The verifier starts first, so that a verifier that cannot work stops the launch
-    # before any engine is built (`fail_early`).
-    background = ThreadPoolExecutor(max_workers=3, thread_name_prefix="asyncrl-start")
-    pending: dict[str, Future] = {}
-    if cfg.rollout.guide.enable:
-        pending["verifier"] = background.submit(_deploy_and_probe, cfg)
-        say("starting verifier service in the background ...")
+    topo = Topology(cfg, run_dir, ray.get_runtime_context().namespace)
+    n = cfg.rollout.num_actors
+    plan = StartPlan(cfg.cluster.startup_timeout_s, topo.adopt, early_checks=[_rows_failed(cfg, rows_loading)])
+    with plan.stopping_on_failure(topo.shutdown):
+        if cfg.rollout.guide.enable:  # first: a verifier that cannot work stops the launch before any engine is built
+            plan.begin("verifier", f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})",
+                       _deploy_and_probe, cfg)
+        topo.buffer = _create_buffer(cfg, run_dir)  # its process starts now; its step waits for it below
+        with plan.step(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
+            topo.learner_placement = reserve_placement(cfg)  # after the engines, its ranks would spread over nodes
+        plan.begin("learner", f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})",
+                   LearnerGroup, cfg, placement=topo.learner_placement)
+        actor_cls = make_rollout_actor_class(cfg)
+        # Not on resume: an actor started then must see the restored version (and its weights).
+        topo.launching = launch_actors(cfg, actor_cls, topo.namespace, topo.buffer, n) if resume is None else {}
+        if topo.launching:
+            say(f"rollout actors x{n}: engines building while the other services start")
+        plan.begin("weight store", "weight store", start_weight_store, topo.namespace)
+        with plan.step("data"):
+            rows, cursor = _training_rows(cfg, rows_loading), _read_cursor(resume)
+        topo.rows_ref, topo.coordinator = _create_coordinator(cfg, run_dir, rows, cursor)
+        with plan.step("coordinator"):
+            topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=plan.timeout_s)["host"]
+        with plan.step("replay buffer"):
+            _start_buffer(topo, resume, plan.timeout_s)
+        topo.weight_store = plan.wait("weight store")
+        topo.learner, topo.learner_placement = plan.wait("learner"), None  # the group owns its placement now
+        with plan.step("learner state" + (f" (resumed from {resume.name})" if resume else "")):
+            version = _load_learner_state(topo, resume)
+        with plan.step("weight sender (learner rank 0)"):
+            _start_weight_sender(topo, version)
+        if cfg.rollout.guide.enable:  # waited for while the engines build: an actor looks it up at its first request
+            topo.verifier = plan.wait("verifier")
+        else:
+            say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
+        topo.fleet = RolloutFleet(cfg, actor_cls, buffer_address=topo.buffer_address, namespace=topo.namespace,
+                                  coordinator=topo.coordinator, buffer=topo.buffer, learner=topo.learner)
+        with plan.step(f"rollout actors x{n}"):
+            topo.fleet.join(topo.launching, plan.timeout_s) if topo.launching else topo.fleet.start(n, plan.timeout_s)
+            topo.launching = {}
+        if version > 0:
+            with plan.step(f"weight group (resumed at v{version}: first broadcast)"):
+                topo.fleet.sync_weights(topo.weight_address)
+    return topo
 
-    def fail_early() -> None:
-        """A background start that has already failed (an unreachable HTTP verifier, say) or training
-        rows that did not load (a row without an answer) stop the launch now, between steps, before
-        the learner and the engines are built, not when their own step comes."""
-        if "verifier" in pending and pending["verifier"].done() and pending["verifier"].exception() is not None:
-            with step_timer(verifier_step):
-                pending["verifier"].result()
+
+# ---- the steps of `build_topology` -----------------------------------------------------------
+def _rows_failed(cfg: Config, rows_loading: Thread | None) -> Callable[[], None]:
+    """An early check: training rows whose loading thread ended without rows (a row without an
+    answer, say) stop the launch between steps, naming the file and row."""
+    from asyncrl.data import has_preloaded_rows, load_training_rows
+
+    def check() -> None:
         if rows_loading is not None and not rows_loading.is_alive() and not has_preloaded_rows(cfg):
             with step_timer("data"):
-                load_training_rows(cfg)  # raises the loading error, naming the file and row
+                load_training_rows(cfg)  # raises the loading error
+    return check
 
-    try:
-        # Stateful services survive their own death: Ray restarts them (and retries the calls made
-        # to them); each reads its state back from `state/` (on the driver's node, where they run).
-        state_dir = run_dir / "state"
-        state_dir.mkdir(exist_ok=True)
-        restarts = dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1,
-                        scheduling_strategy=_on_this_node())
-        # Created now (a handle: the rollout actors are given it), so its process starts while the
-        # learner's placement is reserved and the engines build; its step below waits for it.
-        topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
-            cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
-        fail_early()  # training rows that did not load (usually known by now: they load while Ray starts)
-        # The learner's GPUs first: reserved after the engines, its ranks would be spread over
-        # the nodes the engines left (ZeRO collectives then cross the inter-node link).
-        with step_timer(f"learner placement ({cfg.learner_world_size} rank(s), reserved before the engines)"):
-            topo.learner_placement = reserve_placement(cfg)
-        # The learner's ranks (process start, model, DeepSpeed engine) build from now on too: they
-        # need nothing of the coordinator, the buffer or the weight store (their step waits).
-        pending["learner"] = background.submit(LearnerGroup, cfg, placement=topo.learner_placement)
-        fail_early()
-        # The engine builds (the longest step: what the first step waits for) start now and run
-        # while the coordinator, the buffer, the weight store and the learner start; an actor asks
-        # the buffer for its address once its engine is up. Not on resume: an actor started then
-        # must see the restored version (and its weights).
-        topo.fleet = RolloutFleet(cfg, make_rollout_actor_class(cfg), buffer_address="",  # coordinator: below
-                                  namespace=namespace, coordinator=None, buffer=topo.buffer, learner=None)
-        launched = topo.fleet.launch(cfg.rollout.num_actors) if resume is None else None
-        if launched is not None:
-            say(f"rollout actors x{cfg.rollout.num_actors}: engines building while the other services start")
-        pending["weight store"] = background.submit(start_weight_store, namespace)
-        # The rows are needed by the coordinator only: loaded (the tokenizer of the overlong filter)
-        # in a thread of the launcher since Ray started, waited for once the learner and the engines are on their way.
-        with step_timer("data"):
-            if rows_loading is not None:
-                rows_loading.join()
-                rows_loading = None  # taken: `fail_early` no longer looks at them
-            rows = load_training_rows(cfg)
-            cursor = json.loads((resume / "data_cursor.json").read_text()) if resume else None
-        topo.rows_ref = ray.put(rows)  # held by the driver for the job's life: a restarted coordinator is built from it
-        topo.coordinator = topo.fleet.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
-            name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
-            resources=cfg.cluster.resources.get("coordinator"), **restarts).remote(
-            topo.rows_ref, cfg.data.model_dump_json(),
-            stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
-            buffered=cursor.get("buffered") if cursor else None, state_path=str(state_dir / "coordinator.json"))
-        with step_timer("coordinator"):
-            topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=timeout)["host"]
-        with step_timer("replay buffer"):
-            topo.buffer_address = topo.fleet.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
-            topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
-            say(f"  replay buffer listening at {topo.buffer_address}")
-            snap = resume / "buffer" / "groups.snapshot" if resume else None
-            if snap is not None and snap.exists():
-                restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
-                say(f"  buffer restored from {snap}: {restored} group(s)")
-        fail_early()
-        if not cfg.rollout.guide.enable:  # nothing would call it (no Serve processes competing for the CPUs)
-            say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
-        with step_timer("weight store"):
-            topo.weight_store = pending["weight store"].result(timeout=timeout)
-            del pending["weight store"]
-        with step_timer(f"learner ({cfg.learner_world_size} rank(s), ZeRO-{cfg.learner.zero_stage})"):
-            topo.learner = pending["learner"].result(timeout=timeout)
-            del pending["learner"]
-            topo.learner_placement = None  # the learner group owns it now
-            topo.fleet.learner = topo.learner
-            if resume:
-                topo.learner.load_checkpoint(str(resume))
-            version = topo.learner.version
-            ray.get(topo.coordinator.set_version.remote(version))
-            ray.get(topo.buffer.set_version.remote(version))
-        fail_early()
-        with step_timer("weight sender (learner rank 0)"):
-            topo.weight_address = topo.learner.start_weight_sender(port=cfg.learner.weights.port, publish=True)
-            say(f"  weight rendezvous at {topo.weight_address}")
-            if version == 0:  # no members yet: publishes version 0 only, so the store is never empty
-                publish_initial_weights(topo.learner)
-        if cfg.rollout.guide.enable:  # waited for while the engines build: an actor looks it up at its first request
-            with step_timer(verifier_step):
-                topo.verifier = pending["verifier"].result(timeout=timeout)
-                del pending["verifier"]  # kept until then: a failed wait still stops what it started
-        with step_timer(f"rollout actors x{cfg.rollout.num_actors}"):
-            if launched is not None:
-                topo.fleet.join(launched, timeout)
-            else:
-                topo.fleet.start(cfg.rollout.num_actors, timeout)
-        if version > 0:
-            with step_timer(f"weight group (resumed at v{version}: first broadcast)"):
-                topo.fleet.sync_weights(topo.weight_address)
-    except BaseException:
-        _collect_started(pending, topo)
-        topo.shutdown()
-        raise
-    finally:
-        background.shutdown(wait=False)
-    return topo
+
+def _training_rows(cfg: Config, rows_loading: Thread | None) -> Any:
+    """The training rows, loaded by the launcher's thread since Ray started (or here)."""
+    from asyncrl.data import load_training_rows
+
+    if rows_loading is not None:
+        rows_loading.join()
+    return load_training_rows(cfg)
+
+
+def _read_cursor(resume: Path | None) -> dict[str, Any] | None:
+    return json.loads((resume / "data_cursor.json").read_text()) if resume else None
+
+
+def _restarts(cfg: Config) -> dict[str, Any]:
+    """Stateful services survive their own death: Ray restarts them (and retries the calls made to
+    them) on this node, where each reads its state back from `state/`."""
+    return dict(max_restarts=cfg.cluster.max_restarts, max_task_retries=-1, scheduling_strategy=_on_this_node())
+
+
+def _create_buffer(cfg: Config, run_dir: Path) -> ActorHandle:
+    from asyncrl.replay.host import BufferHost
+
+    state_dir = run_dir / "state"
+    state_dir.mkdir(exist_ok=True)
+    return BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **_restarts(cfg)).remote(
+        cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
+
+
+def _create_coordinator(cfg: Config, run_dir: Path, rows: Any, cursor: dict[str, Any] | None) -> tuple[Any, ActorHandle]:
+    """(the rows in the object store, the coordinator). The driver holds the rows for the job's
+    life: a restarted coordinator is built from them."""
+    import ray
+
+    from asyncrl.job.coordinator import COORDINATOR_NAME, Coordinator
+
+    rows_ref = ray.put(rows)
+    coordinator = ray.remote(num_cpus=0)(Coordinator).options(
+        name=COORDINATOR_NAME, lifetime="detached" if cfg.cluster.ray_address else None,
+        resources=cfg.cluster.resources.get("coordinator"), **_restarts(cfg)).remote(
+        rows_ref, cfg.data.model_dump_json(),
+        stream_state=cursor["stream"] if cursor else None, reissue=cursor["reissue"] if cursor else None,
+        buffered=cursor.get("buffered") if cursor else None, state_path=str(run_dir / "state" / "coordinator.json"))
+    return rows_ref, coordinator
+
+
+def _start_buffer(topo: Topology, resume: Path | None, timeout: float) -> None:
+    """The buffer's socket bound (its address is what the actors push to), restored on resume."""
+    import ray
+
+    topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
+    topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
+    say(f"  replay buffer listening at {topo.buffer_address}")
+    snap = resume / "buffer" / "groups.snapshot" if resume else None
+    if snap is not None and snap.exists():
+        restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
+        say(f"  buffer restored from {snap}: {restored} group(s)")
+
+
+def _load_learner_state(topo: Topology, resume: Path | None) -> int:
+    """The learner's checkpoint on resume; its version told to the coordinator and the buffer."""
+    import ray
+
+    if resume:
+        topo.learner.load_checkpoint(str(resume))
+    version = topo.learner.version
+    ray.get(topo.coordinator.set_version.remote(version))
+    ray.get(topo.buffer.set_version.remote(version))
+    return version
+
+
+def _start_weight_sender(topo: Topology, version: int) -> None:
+    topo.weight_address = topo.learner.start_weight_sender(port=topo.cfg.learner.weights.port, publish=True)
+    say(f"  weight rendezvous at {topo.weight_address}")
+    if version == 0:  # no members yet: publishes version 0 only, so the store is never empty
+        publish_initial_weights(topo.learner)
 
 
 def _deploy_and_probe(cfg: Config) -> DeploymentHandle:
@@ -255,25 +283,6 @@ def _deploy_and_probe(cfg: Config) -> DeploymentHandle:
     handle = deploy_verifier(cfg)
     probe_verifier(cfg)
     return handle
-
-
-def _collect_started(pending: dict[str, Future], topo: Topology) -> None:
-    """After a failed start-up step: wait for the background starts still running and hand what
-    they started to `topo`, so its shutdown stops them too. A verifier whose deployment or probe
-    failed may still have started Serve: stopped here."""
-    for what, future in pending.items():
-        try:
-            started = future.result(timeout=60)
-        except BaseException:  # noqa: BLE001 - its own failure is not the one being reported
-            if what == "verifier":
-                _stop_serve()
-            continue
-        if what == "weight store":
-            topo.weight_store = started
-        elif what == "learner":
-            topo.learner, topo.learner_placement = started, None  # the group's shutdown removes its placement
-        else:
-            topo.verifier = started
 
 
 def _stop_serve() -> None:
