@@ -393,14 +393,25 @@ class OffPolicyConfig(Section):
     lr_scale_min: float = Field(0.1, gt=0, le=1)
     """Floor of the learning-rate scale (one degenerate batch must not stall training)."""
 
+    @property
+    def needs_proximal(self) -> bool:
+        """Whether the step recomputes pi_prox (the learner's log-probs at the start of the step):
+        every mode but `bypass`, which anchors the ratio at the behaviour log-probs instead."""
+        return self.mode != "bypass"
+
+    @property
+    def weighs(self) -> bool:
+        """Whether tokens are weighted by pi_prox/mu (needing both log-probs): not `none`/`bypass`."""
+        return self.mode not in ("none", "bypass")
+
     @model_validator(mode="after")
     def _composable(self) -> OffPolicyConfig:
         """Refuse by name the combinations that would silently do nothing."""
         problems = []
-        if self.lr_scale == "ess" and self.mode in ("none", "bypass"):
+        if self.lr_scale == "ess" and not self.weighs:
             problems.append(f"learner.off_policy.lr_scale=ess needs correction weights, but off_policy.mode={self.mode} "
                             "weights every token by 1 (ESS is always 1): use tis, decoupled, mis, m2po...")
-        if self.seq_kl_budget is not None and self.mode in ("none", "bypass"):
+        if self.seq_kl_budget is not None and not self.weighs:
             problems.append(f"learner.off_policy.seq_kl_budget needs pi_prox and the behaviour log-probs, which "
                             f"off_policy.mode={self.mode} does not weigh: use tis, decoupled, mis, m2po...")
         if problems:

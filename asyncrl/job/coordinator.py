@@ -234,9 +234,6 @@ class Coordinator:
         return derive_cursor(self.stream.state_dict(), self._reissue, list(self._in_flight),
                              sorted(self._buffered), snapshot_indices, self._completed)
 
-    def in_flight_count(self) -> int:
-        return len(self._in_flight)
-
     # ------------------------------------------------------------------ versions and flags
     def set_version(self, version: int, trained: list[int] | None = None) -> dict[str, int]:
         """The learner's new version (and the prompts its step trained); returns the counters."""

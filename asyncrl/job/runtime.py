@@ -153,9 +153,20 @@ def check_models(cfg: Config) -> bool:
     return all(row.ok for row in rows)
 
 
+def resolve_lora_sync(cfg: Config) -> None:
+    """`model.lora.sync: auto` decided once, here, and written into the config every process is
+    given (and the run directory's config.json): the learner and every engine read the same answer
+    instead of each asking vLLM's model registry (`weights.adapter.sync_kind`)."""
+    if cfg.model.lora.enable and cfg.model.lora.sync == "auto":
+        from asyncrl.weights.adapter import sync_kind
+
+        cfg.model.lora.sync = sync_kind(cfg, warn=True)
+
+
 def run(cfg: Config) -> int:
     """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files).
     Exit 2 when the model cannot hold the config (nothing started), else the job's status."""
+    resolve_lora_sync(cfg)
     if not check_models(cfg):
         return 2
     if cfg.cluster.ray_address:  # a refused connection: now, not after importing Ray

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ from asyncrl.learner.batching import (
     split_mini_batches,
 )
 from asyncrl.learner.build import build_engine, init_distributed, load_policy
+from asyncrl.learner.export import WeightExport
 from asyncrl.learner.kl import apply_kl_penalty, make_kl_controller
 from asyncrl.learner.losses import (
     entropy_from_logits,
@@ -80,8 +81,6 @@ from asyncrl.learner.losses import (
 )
 from asyncrl.weights.adapter import (
     adapter_config,
-    is_adapter_param,
-    peft_saved_name,
     sync_kind,
     write_adapter_dir,
 )
@@ -153,7 +152,7 @@ class _StepTally:
     micro: int = 0
 
 
-class LearnerWorker:
+class LearnerWorker(WeightExport):
     """One rank. All ranks of a job must call `train_step`, `export_named_tensors` (iterate it to
     the end), `save_checkpoint` and `load_checkpoint` together: they contain collectives."""
 
@@ -358,7 +357,7 @@ class LearnerWorker:
         log-probs can stand in for it (`reuse_prox`). The KL penalty in `kl.mode=reward` enters
         the advantages, which need every row: then both are all-reduced."""
         kc = self.lc.kl
-        need_prox = self.lc.off_policy.mode != "bypass" and not reuse_prox
+        need_prox = self.lc.off_policy.needs_proximal and not reuse_prox
         logp_prox = self._logprobs(self.engine, flat, plans, images) if need_prox else None
         logp_ref = self._reference_logprobs(flat, plans, images)
         if kc.enable and kc.mode == "reward":  # the penalty needs every row before advantages
@@ -422,7 +421,7 @@ class LearnerWorker:
         else:
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach(), temp)
-        reuse = batch.reuse_prox and lc.off_policy.mode != "bypass"
+        reuse = batch.reuse_prox and lc.off_policy.needs_proximal
         prox = logp.detach() if reuse else self._rows(batch.logp_prox, mb)
         loss, m = policy_loss(
             logp, prox, self._rows(batch.flat.behaviour_logprobs, mb), self._rows(batch.advantages, mb),
@@ -500,100 +499,6 @@ class LearnerWorker:
             self.skipped_steps += 1
         return applied, norm
 
-    # ---------------------------------------------------------------------------------- export
-    def export_named_tensors(self, bucket_bytes: int = 256 * 2**20) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full parameters (HF names, training dtype) in buckets of about `bucket_bytes`.
-
-        ZeRO-3: each bucket's parameters are gathered with `GatheredParameters` and copied out
-        (clones), so at most one bucket is ever materialised in full; every rank must iterate to
-        the end (the gathers are collectives) and every rank receives the same tensors. Other
-        stages: the live parameters, valid until the next optimizer step (copy before that)."""
-        module = self.engine.module
-        zero3 = self.lc.zero_stage == 3
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # DeepSpeed >= 0.17.3 binds NCCL to the device at init
-        self._warm_zero3_export()
-        persistent = set(module.state_dict().keys())
-        items: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
-        items += [(n, b) for n, b in module.named_buffers() if n in persistent]
-        if self.lora:  # merged: each base weight carries its adapter's delta (`_emit_bucket`)
-            items = [(n, t) for n, t in items if not is_adapter_param(n)]
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-
-        def full_bytes(t: torch.Tensor) -> int:
-            numel = t.ds_numel if hasattr(t, "ds_numel") else t.numel()
-            return int(numel) * t.element_size()
-
-        for name, tensor in items:
-            bucket.append((name, tensor))
-            size += full_bytes(tensor)
-            if size >= bucket_bytes:
-                yield from self._emit_bucket(bucket, zero3)
-                bucket, size = [], 0
-        if bucket:
-            yield from self._emit_bucket(bucket, zero3)
-
-    def _warm_zero3_export(self) -> None:
-        """The first gather after deepspeed.initialize under ZeRO-3 can return uninitialised
-        storage (NaN logprobs in the engines): one forward first, on every rank (collective)."""
-        if self.lc.zero_stage == 3 and not getattr(self, "_export_warmed", False):
-            with torch.no_grad():
-                self.engine.module(input_ids=torch.full((1, 1), int(self.pad_id), device=self.device), use_cache=False)
-            self._export_warmed = True
-
-    def _emit_bucket(self, bucket: list[tuple[str, torch.Tensor]], zero3: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        if self.lora:
-            yield self._merged_bucket(bucket, zero3)
-            return
-        if not zero3:
-            yield [(n, t.detach()) for n, t in bucket]
-            return
-        params = [t for _, t in bucket if hasattr(t, "ds_id")]
-        with self._ds.zero.GatheredParameters(params, modifier_rank=None):
-            out = [(n, t.detach().clone()) for n, t in bucket]
-        yield out
-
-    def _merged_bucket(self, bucket: list[tuple[str, torch.Tensor]], zero3: bool) -> list[tuple[str, torch.Tensor]]:
-        """A bucket of a LoRA policy under the base model's HF names, each adapted weight merged
-        (W + scaling * B @ A, PEFT's own `get_delta_weight`, which knows each layer's layout).
-        ZeRO-3: the bucket's base weights and their adapters are gathered together."""
-        module = self.engine.module
-        layers = {n: _lora_layer(module, n) for n, _ in bucket}
-        params = [t for _, t in bucket]
-        for layer in filter(None, layers.values()):
-            params += [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
-        with self._gathered([p for p in params if hasattr(p, "ds_id")] if zero3 else []):
-            out = []
-            for name, t in bucket:
-                layer, value = layers[name], t.detach()
-                if layer is not None:
-                    value = value + layer.get_delta_weight("default").to(value.dtype)
-                elif zero3:
-                    value = value.clone()
-                out.append((hf_param_name(name), value))
-        return out
-
-    def _gathered(self, params: list[torch.Tensor]) -> Any:
-        from contextlib import nullcontext
-
-        return self._ds.zero.GatheredParameters(params, modifier_rank=None) if params else nullcontext()
-
-    def export_adapter_tensors(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The LoRA adapter alone, one bucket of CPU copies under PEFT's saved names (what
-        `adapter_model.safetensors` holds). ZeRO-3: gathered; every rank must iterate."""
-        self._warm_zero3_export()
-        params = [(n, p) for n, p in self.engine.module.named_parameters() if is_adapter_param(n)]
-        with self._gathered([p for _, p in params if hasattr(p, "ds_id")] if self.lc.zero_stage == 3 else []):
-            yield [(peft_saved_name(n), p.detach().to("cpu", copy=True)) for n, p in params]
-
-    def export_sync_tensors(self, bucket_bytes: int = 256 * 2**20) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """What one policy version is on the weight wire (`weights.adapter.sync_kind`): the
-        adapter alone, or full weights (merged with the adapter under LoRA)."""
-        if self.sync_kind == "adapter":
-            return self.export_adapter_tensors()
-        return self.export_named_tensors(bucket_bytes)
-
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Write this rank's part of a checkpoint into `directory` (normally the temporary dir of
@@ -646,18 +551,3 @@ class LearnerWorker:
         """Drop the engine (the process group stays: it belongs to the process)."""
         self.engine = None  # type: ignore[assignment]
         self.ref_model = None
-
-
-def hf_param_name(name: str) -> str:
-    """A PEFT model's parameter name under the base model's HF name
-    (`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> `model.layers.0.self_attn.q_proj.weight`)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
-def _lora_layer(module: Any, name: str) -> Any:
-    """The PEFT LoRA layer whose base weight is `name`, or None."""
-    suffix = ".base_layer.weight"
-    if not name.endswith(suffix):
-        return None
-    layer = module.get_submodule(name[: -len(suffix)])
-    return layer if hasattr(layer, "get_delta_weight") and "default" in getattr(layer, "lora_A", {}) else None

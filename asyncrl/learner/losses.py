@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -80,7 +80,23 @@ from torch import Tensor
 from asyncrl.learner.kl import kl_estimate
 
 if TYPE_CHECKING:
-    from asyncrl.config import LearnerConfig, OffPolicyConfig
+    from asyncrl.config import KLConfig, OffPolicyConfig
+
+
+class LossSettings(Protocol):
+    """What the loss reads of `learner` (a `LearnerConfig` is one): the objective's own keys and
+    the `kl` and `off_policy` sub-sections, nothing of the optimiser, batching or weight sync."""
+
+    loss_type: str
+    loss_avg_mode: str
+    clip_eps_low: float
+    clip_eps_high: float
+    clip_ratio_dual: float
+    cispo_eps_low: float | None
+    cispo_eps_high: float
+    entropy_coef: float
+    kl: KLConfig
+    off_policy: OffPolicyConfig
 
 __all__ = [
     "policy_loss",
@@ -256,7 +272,7 @@ def off_policy_weights(
     """(weight w, clipped-or-masked indicator), both [N, T] fp32 and detached; see the module doc."""
     mode = config.mode
     mask = response_mask.float()
-    if mode in ("none", "bypass"):
+    if not config.weighs:
         return torch.ones_like(mask), torch.zeros_like(mask)
     if logp_proximal is None or logp_behaviour is None:
         raise ValueError(f"off_policy.mode={mode} needs logp_proximal and logp_behaviour")
@@ -379,7 +395,7 @@ def policy_loss(
     logp_behaviour: Tensor | None,
     advantages: Tensor,
     response_mask: Tensor,
-    config: LearnerConfig,
+    config: LossSettings,
     *,
     logp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
@@ -400,7 +416,7 @@ def policy_loss(
     mask = response_mask.float()
     logp = logp.float()
     adv = advantages.detach().float()
-    anchor = _anchor(logp_proximal, logp_behaviour, config.off_policy.mode)
+    anchor = _anchor(logp_proximal, logp_behaviour, config.off_policy)
     weight, clipped_is = off_policy_weights(logp_proximal, logp_behaviour, mask, config.off_policy)
     ell = _log_ratio(logp, anchor, mask, config.loss_type)
     if config.loss_type == "cispo":
@@ -431,14 +447,13 @@ def policy_loss(
     return terms.loss, metrics
 
 
-def _anchor(logp_proximal: Tensor | None, logp_behaviour: Tensor | None, mode: str) -> Tensor:
+def _anchor(logp_proximal: Tensor | None, logp_behaviour: Tensor | None, off_policy: OffPolicyConfig) -> Tensor:
     """Step 1's centre of the trust region, detached: pi_prox, or mu in `bypass` mode (which
     skips the proximal recompute). Missing log-probs fail here, naming the one the mode needs."""
-    anchor = logp_behaviour if mode == "bypass" else logp_proximal
+    anchor = logp_proximal if off_policy.needs_proximal else logp_behaviour
     if anchor is None:
-        raise ValueError(
-            f"off_policy.mode={mode} needs {'logp_behaviour' if mode == 'bypass' else 'logp_proximal'}"
-        )
+        needed = "logp_proximal" if off_policy.needs_proximal else "logp_behaviour"
+        raise ValueError(f"off_policy.mode={off_policy.mode} needs {needed}")
     return anchor.detach().float()
 
 
@@ -465,7 +480,7 @@ class _Surrogate(NamedTuple):
 
 
 def _cispo_surrogate(
-    ell: Tensor, logp: Tensor, adv: Tensor, mask: Tensor, config: LearnerConfig
+    ell: Tensor, logp: Tensor, adv: Tensor, mask: Tensor, config: LossSettings
 ) -> _Surrogate:
     """CISPO: -A sg(clamped ratio) logp. The clamp only bounds the detached weight, so every
     token keeps a gradient (unlike PPO's clip, which zeroes it); no lower bound when
@@ -477,7 +492,7 @@ def _cispo_surrogate(
     return _Surrogate(per_token, (ell > hi).float(), (ell < lo).float(), torch.zeros_like(mask))
 
 
-def _ppo_surrogate(ell: Tensor, adv: Tensor, config: LearnerConfig) -> _Surrogate:
+def _ppo_surrogate(ell: Tensor, adv: Tensor, config: LossSettings) -> _Surrogate:
     """PPO's asymmetric clip max(-A ratio, -A cratio) plus the dual clip min(L, -A c) for A < 0,
     which caps how far one negative-advantage token with a huge ratio can push the step. The
     unclipped ratio's log is clamped to +-20 so that e^l stays finite."""
@@ -511,7 +526,7 @@ def _loss_terms(
     per_token: Tensor,
     logp: Tensor,
     mask: Tensor,
-    config: LearnerConfig,
+    config: LossSettings,
     logp_ref: Tensor | None,
     entropy: Tensor | None,
     kl_coef: float | None,
@@ -609,7 +624,7 @@ def _mask_metrics(
     if config.mode == "m2po":
         masked = (1.0 - m2po_keep(log_w, mask, config.m2po_tau)) * mask
         out["train/m2po_masked_frac"] = torch.stack([masked.sum(), n_tok]).double()
-    if config.seq_kl_budget is not None and config.mode not in ("none", "bypass"):
+    if config.seq_kl_budget is not None and config.weighs:
         masked = (1.0 - drift_keep(logp_proximal, logp_behaviour, mask, config.seq_kl_budget)) * mask
         out["train/drift_masked_frac"] = torch.stack([masked.sum(), n_tok]).double()
     return out

@@ -170,9 +170,6 @@ class BufferState:
         self.mutations += bool(dead)
         return len(dead)
 
-    def next_expiry(self) -> float | None:
-        return min((lease.expires_at for lease in self.in_flight.values()), default=None)
-
     # ------------------------------------------------------------------------------ ingest
     def ingest(self, group: Group, blob: Any, ticket: int = -1, now: float | None = None) -> str:
         """Stores a validated group; returns the PushReply status (stored/duplicate/filtered/stale/full)."""

@@ -84,9 +84,6 @@ class RewardScorer:
         self._own = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
 
-    def score_sync(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
-        return score_samples(self.fn, items)
-
     async def score(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
         """Score in the worker thread; the awaiting loop stays free."""
         loop = asyncio.get_running_loop()

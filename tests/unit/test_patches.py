@@ -55,3 +55,19 @@ def test_gc_paused_is_a_no_op_when_the_switch_is_off() -> None:
     with gc_paused(True):
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_lora_sync_auto_is_resolved_once_into_the_config(tmp_path) -> None:
+    """The launcher decides `model.lora.sync: auto` and every process reads the decision from the
+    config it is given (the tiny policy is a Qwen2, which vLLM serves with LoRA: `adapter`)."""
+    from pathlib import Path
+
+    from asyncrl.config import Config
+    from asyncrl.job.runtime import resolve_lora_sync
+
+    policy = Path(__file__).resolve().parents[2] / "assets" / "tiny-policy"
+    cfg = Config.model_validate({"model": {"path": str(policy), "lora": {"enable": True}}})
+    assert cfg.model.lora.sync == "auto"
+    resolve_lora_sync(cfg)
+    assert cfg.model.lora.sync == "adapter"
+    assert Config.model_validate_json(cfg.model_dump_json()).model.lora.sync == "adapter"
