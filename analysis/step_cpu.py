@@ -2,7 +2,7 @@
 CPU time (psutil, the launcher and all its descendants: Ray's daemons, the actors, vLLM's engine core)
 and print core-seconds per step by process, with the job's median step figures over the same window.
 
-    python scripts/step_cpu.py --config configs/quickstart.yaml --from-step 20 --to-step 65 \\
+    python analysis/step_cpu.py --config configs/quickstart.yaml --from-step 20 --to-step 65 \\
         rollout.guide.enable=false
 
 On a machine with few cores the job is CPU-bound, so the total per step divided by the cores is a
