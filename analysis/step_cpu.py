@@ -6,8 +6,8 @@ and print core-seconds per step by process, with the job's median step figures o
         rollout.guide.enable=false
 
 On a machine with few cores the job is CPU-bound, so the total per step divided by the cores is a
-floor for the step time, and the rows say which process to make cheaper (BENCHMARKS.md, "Where a
-single-turn step's CPU goes"). Run it on an otherwise idle machine; compare runs interleaved."""
+floor for the step time, and the rows say which process to make cheaper (docs/benchmarks.md, "TRL":
+where a single-turn step's CPU goes). Run it on an otherwise idle machine; compare runs interleaved."""
 
 from __future__ import annotations
 
