@@ -7,9 +7,8 @@ where a name moved, each leaves Ray as it is and logs why, so a Ray upgrade cost
    Ray builds one serialization context per job in every worker and in the driver, and building it
    imports pyarrow (`ray.util.serialization_addons.apply` -> `ray._private.arrow_serialization.
    _register_custom_datasets_serializers`, faster reducers for Ray Data's Arrow tables). No process
-   of an asyncrl job sends Arrow data through Ray, yet each paid that import: ~0.5 CPU-s per process
-   on the project's 2-core machine (~1 s in a slow hour), in the launcher, coordinator, buffer,
-   weight store, learner and rollout actor of a quick start. The replacement registers them only
+   of an asyncrl job sends Arrow data through Ray, yet each paid that import, in the launcher,
+   coordinator, buffer, weight store, learner and rollout actor of a quick start. The replacement registers them only
    where pyarrow is already imported (a driver that read parquet through `datasets`, say). What a
    skipped process loses: an Arrow table it returns through Ray later is pickled by pyarrow's own
    `__reduce__` (correct; a slice then carries its whole buffer). A receiving process needs no
@@ -19,20 +18,21 @@ where a name moved, each leaves Ray as it is and logs why, so a Ray upgrade cost
    - The API server: `ray.init(include_dashboard=False)` still starts `dashboard.py` with only its
      usage-stats module (Ray's own TODO: "Modules like job or state APIs should be loaded although
      dashboard is disabled") and then polls, before the raylet is even started, until that process
-     has booted and written its address: ~2 s of every launch's critical path (1.6 s of it
-     `time.sleep`) and 1.2-1.7 CPU-s, for a process that serves nothing here (the job and state APIs
+     has booted and written its address, on every launch's critical path (mostly `time.sleep`),
+     for a process that serves nothing here (the job and state APIs
      are not loaded without the dashboard; the Makefile sets RAY_USAGE_STATS_ENABLED=0, and where
      usage stats are on they are simply not reported from an embedded job). Without it, Ray behaves
      as when the dashboard fails to start: `dashboard_url` is None.
    - The autoscaler monitor (`monitor.py`): a single host with no autoscaling config has nothing to
-     scale; it cost 0.6-0.8 CPU-s while the job starts and ~0.2 % of a core after. What is lost:
+     scale, yet it takes CPU while the job starts and polls after. What is lost:
      `ray status` against the embedded cluster shows no autoscaler report (Ray Serve's replica
      autoscaling is its controller's, not this process's).
    - The log monitor (`log_monitor.py`), only when nothing reads what it streams: it tails every
      worker's log files to publish their lines to the driver, which prints them only with
      `log_to_driver` (asyncrl's verbose mode; quiet, the actors write to <run_dir>/logs/ and the
-     driver prints its own lines). 0.6-0.9 CPU-s while the job starts, ~0.8 % of a core for the whole
-     run (it polls the log directory).
+     driver prints its own lines); it takes CPU while the job starts and polls the log directory for
+     the whole run.
+   What each of these saves, measured: docs/benchmarks.md, "Start-up".
    A cluster the job joins (`cluster.ray_address`) is started by `ray start` and keeps all of them.
 
 Tests: tests/unit/test_role_imports.py (Ray's addons with and without the deferral),

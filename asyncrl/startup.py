@@ -115,8 +115,8 @@ def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off inside (restored as it was on exit). For a process's
     imports of torch, transformers and vLLM: they allocate millions of objects, each allocation
     burst triggers a collection, and a full collection walks every object allocated so far; import
-    creates almost no garbage. `import vllm` + `AsyncLLM` on the 2-core machine: 12.5-14.0 CPU-s
-    with the collector, 11.1-11.7 without (alternating, 3 each). Keep it around imports and
+    creates almost no garbage, so the collections are pure cost (docs/benchmarks.md, "Start-up").
+    Keep it around imports and
     configuration only: a process forked inside would inherit the collector off for its whole life
     (the rollout actor leaves it before vLLM forks its engine core)."""
     was_enabled = gc.isenabled()

@@ -159,8 +159,8 @@ def engine_core_forked(enabled: bool, after_fork: Callable[[], None] | None = No
     vLLM spawns the engine core from a Ray actor (`_maybe_force_spawn`: "In a Ray actor and can only
     be spawned") and on CPU (its platform sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` when the engine
     config is created, for its executor's worker processes and OpenMP), and a spawned engine core
-    imports torch and vLLM again: 5-7 s of a 2-core machine, on the first step's critical path, while
-    the learner is starting beside it. A fork inherits the imported modules. Use it around the
+    imports torch and vLLM again, on the first step's critical path and on the cores the learner
+    is starting on. A fork inherits the imported modules. Use it around the
     engine's construction from an already created config (`AsyncLLM.from_vllm_config`). What makes a
     fork from a Ray worker safe here:
     - the child runs only vLLM's engine core (`EngineCoreProc.run_engine_core`, which installs its
@@ -237,7 +237,7 @@ class PolicyEngine:
         the parent, e.g. the weight groups of a test process that also ran the sender side (a
         native-path round then hung in the engine; reproduced in tests/integration/test_engine.py).
         `beside_build`: called once the engine-core process exists (`engine_core_forked`'s
-        `after_fork`), to start work that runs while the engine core builds (~3 s on CPU)."""
+        `after_fork`), to start work that runs while the engine core builds."""
         from asyncrl.startup import gc_paused
 
         # vLLM's imports (here and in its engine config below) without the cyclic GC: ~20 % less CPU
@@ -284,7 +284,7 @@ class PolicyEngine:
             # token budget instead, and per-request seeds stay safe.
             enable_chunked_prefill=self.on_gpu,
             # CPU: `rollout.cpu_kvcache_gb`, fractions included; vLLM zero-fills all of it at start-up
-            # (touching 1 GiB took 3.1 CPU-s on the loaded 2-core machine; the quick start needs ~0.1)
+            # (CPU time in proportion to its size, on every engine start; the quick start needs ~0.1 GiB)
             kv_cache_memory_bytes=None if self.on_gpu else int(cfg.cpu_kvcache_gb * 2**30),
         )
         # read by vLLM when it builds the engine config and the engine-core process (inherited)

@@ -83,15 +83,15 @@ def engine_env(gpus: float, in_process: bool | None) -> dict[str, str]:
     True on CPU) keeps vLLM's model worker inside its engine-core process (UniProcExecutor):
     vLLM's CPU build otherwise forces a separate worker process talking to the engine core over a
     shared-memory queue whose readers busy-poll (sched_yield) for a second after every message,
-    which on a small CPU machine steals the cores the learner needs (2-core quick start: steps
-    2.64 -> 2.36 s, engine build 26 -> 14 s; BENCHMARKS.md).
+    which on a small CPU machine steals the cores the learner needs (docs/benchmarks.md,
+    "Small-machine speed").
 
     On CPU also `TORCH_COMPILE_DISABLE=1` (unless the environment already sets it): with
     `enforce_eager` vLLM compiles no model code, but its sampler still `torch.compile`s one helper
     (`batched_count_greater_than`, the sampled token's rank, computed whenever logprobs are asked
     for) with inductor on the engine's first step: Dynamo tracing, inductor, a g++ probe and three
-    `python -c` subprocesses, ~1.5 CPU-s and ~1.9 s of the first batch on the 2-core machine, while
-    eager runs it as fast (64 sequences: 0.17-0.19 s per batch either way; BENCHMARKS.md).
+    `python -c` subprocesses, most of the first batch's time on a small machine, while eager runs the
+    steady batches as fast (docs/benchmarks.md, "Start-up").
 
     On GPU nothing is set: vLLM already runs a one-GPU engine in-process, needs its worker
     processes for tensor parallelism, and its compiled kernels pay off there."""
@@ -174,7 +174,7 @@ class RolloutConfig(Section):
     no busy-polling queue between them); None = True on CPU. Ignored on GPU (`engine_env`)."""
     engine_fork: bool | None = None
     """vLLM CPU build: fork the engine-core process from the rollout actor instead of spawning it (a
-    spawned one imports torch and vLLM again: 5-7 s of the first step's wait on 2 cores); None = True
+    spawned one imports torch and vLLM again, on the first step's critical path); None = True
     on CPU with the model worker in-process. Never on GPU, never for engines built outside a rollout
     actor (`actors.engine.engine_core_forked`)."""
     max_model_len: int | None = None
@@ -341,7 +341,7 @@ class BufferConfig(Section):
     the hard bound on delivery either way; logged: `buffer/admission_staleness`."""
     drift_budget: float = Field(0.02, gt=0)
     """staleness=drift: the budget of KL(mu || pi_prox) per trained sequence, the mean of
-    `train/seq_mismatch_kl` (the previous round measured 0.004-0.012 at lag 1, 0.03-0.09 at lag 4)."""
+    `train/seq_mismatch_kl` (on the quick start: 0.004-0.012 at lag 1, 0.03-0.09 at lag 4)."""
     capacity_groups: int = Field(1024, gt=0)
     """Buffered groups at most; producers are told "full" beyond it (never a silent drop)."""
     capacity_mb: float = Field(1024.0, gt=0)
@@ -416,8 +416,8 @@ class OffPolicyConfig(Section):
     seq_kl_budget: float | None = Field(None, gt=0)
     """Drift masking (any weighting mode but none/bypass): a sequence whose k3 estimate of
     KL(mu || pi_prox), summed over its trained tokens, exceeds this gets weight 0 on every token
-    (null = off); logged: `train/drift_masked_frac`. The previous round measured 0.004-0.012 per
-    conversation at lag 1, 0.03-0.09 at lag 4."""
+    (null = off); logged: `train/drift_masked_frac`. On the quick start a conversation drifts
+    0.004-0.012 at lag 1, 0.03-0.09 at lag 4."""
     lag_decay: float = Field(1.0, gt=0, le=1)
     """Per-group down-weighting by lag: a group's advantages are multiplied by lag_decay^lag, lag =
     versions between the group's oldest token and the trained version (1.0 = off); logged:
@@ -465,8 +465,8 @@ class WeightSyncConfig(Section):
     bucket_mb: float = Field(256.0, gt=0)
     """Flat per-dtype bucket size of the broadcast."""
     gloo_bucket_mb: float = Field(16.0, gt=0)
-    """Bucket cap on the gloo (CPU) path, which uses min(bucket_mb, this): measured here, 4-16 MB
-    buckets beat one flat gloo broadcast 1.5-2.4x, 32 MB and up lose (copy + gloo large-message cost)."""
+    """Bucket cap on the gloo (CPU) path, which uses min(bucket_mb, this): on a 2-core CPU machine
+    4-16 MB buckets beat one flat gloo broadcast 1.5-2.4x, 32 MB and up lose (copy + gloo large-message cost)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective back-end; auto = nccl on GPU, gloo on CPU."""
     timeout_s: float = Field(60.0, gt=0)
@@ -499,8 +499,7 @@ class LearnerConfig(Section):
     micro_batch_tokens: int | None = Field(None, gt=0)
     """Token budget of one micro-batch (padded length x sequences); None = derived
     (`learner_device_defaults`): 8192 on GPU, 2048 on CPU (less padding and activations that stay
-    in cache: the quick start's learner step 1.38 -> 1.04 s alone on one core, the same loss since
-    micro-batches are summed exactly)."""
+    in cache make a CPU step faster; the loss is the same since micro-batches are summed exactly)."""
     max_micro_batch_size: int = Field(64, gt=0)
     """Sequences per micro-batch at most."""
     mini_batches: int = Field(1, ge=1)
