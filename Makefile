@@ -30,7 +30,7 @@ test-all: install
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check asyncrl tests scripts
+	$(VENV)/bin/ruff check asyncrl tests scripts analysis
 
 # ARGS: config overrides and the scenario's flags, e.g.
 #   make bench SCENARIO=convergence ARGS="--staleness 0,4 --seeds 1 --reuse verifier.port=0"

@@ -110,8 +110,8 @@ def effective_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class _TensorBoard:
     """TensorBoard event files written with the `tensorboard` package's own writer and protos (what
-    `torch.utils.tensorboard.SummaryWriter` wraps; importing torch for it cost the launcher ~1.5 s of
-    its start-up): scalars, and per-lag counts as a histogram."""
+    `torch.utils.tensorboard.SummaryWriter` wraps; the launcher imports no torch, so that it starts
+    fast): scalars, and per-lag counts as a histogram."""
 
     def __init__(self, log_dir: Path) -> None:
         from tensorboard.compat.proto.event_pb2 import Event

@@ -297,7 +297,7 @@ def reward_vs_accuracy(rows: list[dict[str, Any]], config: dict[str, Any], befor
            "temperature, greedy accuracy that of the most likely turn at every decision. On the quick start, the "
            "greedy policy learnt to fit a 4-step problem into its 4 turns (accuracy on them 0.00 → 0.42), which "
            "sampling at 0.5 already did about as often before training (0.30 → 0.31): the reward had that gain "
-           "from the start (README, “Training reward vs greedy accuracy”).")
+           "from the start (docs/index.md, “Training reward vs greedy accuracy”).")
     return f'<p class="reward-note">{" ".join(parts)}<br><span class="muted">{why}</span></p>'
 
 

@@ -1,4 +1,4 @@
-"""The learner's state after one step, full fine-tuning vs LoRA (BENCHMARKS.md, "LoRA").
+"""The learner's state after one step, full fine-tuning vs LoRA (docs/benchmarks.md, "LoRA").
 
     .venv/bin/python scripts/lora_memory.py MODEL_DIR          # full fine-tuning, KL reference = a replica
     .venv/bin/python scripts/lora_memory.py MODEL_DIR --lora   # LoRA r16, KL reference = adapter disabled

@@ -179,7 +179,7 @@ class PolicyEngine:
             # token budget instead, and per-request seeds stay safe.
             enable_chunked_prefill=self.on_gpu,
             # CPU: `rollout.cpu_kvcache_gb`, fractions included; vLLM zero-fills all of it at start-up
-            # (touching 1 GiB took 3.1 CPU-s on the loaded 2-core machine; the quick start needs ~0.1)
+            # (CPU time in proportion to its size, on every engine start; the quick start needs ~0.1 GiB)
             kv_cache_memory_bytes=None if self.on_gpu else int(cfg.cpu_kvcache_gb * 2**30),
         )
         # read by vLLM when it builds the engine config and the engine-core process (inherited)

@@ -50,6 +50,9 @@ def build_parser(scenario: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("scenario", choices=SCENARIOS)
     parser.add_argument("--output", default="bench", help="directory for JSON and plots")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: seconds, for tests")
+    parser.add_argument("--record", nargs="?", const="docs/results", default=None, metavar="DIR",
+                        help="also keep the result as DIR/<scenario>-<machine>.json (default DIR: docs/results), "
+                             "replacing the previous run's")
     add_config_args(parser)
     add_args = getattr(scenario_module(scenario), "add_args", None) if scenario in SCENARIOS else None
     if add_args is not None:
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     refuse_gone_env()
     named = next((a for a in argv if a in SCENARIOS), None)
     args = build_parser(named).parse_intermixed_args(argv)
+    if args.smoke and args.record is not None:
+        fail("--record keeps a result as the documentation's current figure; a --smoke run is not one")
     if args.config is None:
         if not DEFAULT_CONFIG.is_file():
             fail(f"no --config given and the quick start's config {DEFAULT_CONFIG} is not here "
@@ -84,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         if not check_models(cfg):
             return 2
     result = scenario_module(args.scenario).run(cfg, args)
-    from asyncrl.bench.common import write_result
+    from asyncrl.bench.common import record_result, write_result
 
     path = write_result(args.scenario, result, args.output)
     print(f"\nwrote {path}")
+    if args.record is not None:
+        print(f"recorded {record_result(path, args.record)}")
     return 0
 
 

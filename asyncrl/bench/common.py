@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,8 @@ def machine_info() -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        if info["cuda"]:
+            info["cuda_devices"] = torch.cuda.device_count()
     except ImportError:
         pass
     return info
@@ -59,6 +63,34 @@ def write_result(scenario: str, result: dict[str, Any], output: str | os.PathLik
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"scenario": scenario, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(), **result}
     path = out / f"{scenario}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2, default=float))
+    return path
+
+
+def machine_tag(machine: dict[str, Any]) -> str:
+    """A result file's machine name: `cpu<cores>` without a GPU (`cpu2`), else the GPU's model and count
+    (`h100x8`)."""
+    gpu = machine.get("cuda")
+    if not gpu:
+        return f"cpu{machine.get('cpu_count') or 0}"
+    model = re.search(r"\b([A-Z]+\d+[A-Z]*)\b", gpu)
+    name = model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "", gpu.lower())
+    return f"{name}x{machine.get('cuda_devices', 1)}"
+
+
+def record_result(written: Path, record_dir: str | os.PathLike[str]) -> Path:
+    """Copy a written result to `record_dir/<scenario>-<machine>.json` (docs/results/ by default), replacing
+    the previous run's: the documentation keeps one current file per scenario and machine, and git keeps
+    the history. A plot the result names (`plot`) comes along as `<scenario>-<machine>.png`."""
+    result = json.loads(Path(written).read_text())
+    out = Path(record_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{result['scenario']}-{machine_tag(result['machine'])}"
+    plot = result.get("plot")
+    if plot and Path(plot).is_file():
+        shutil.copyfile(plot, out / f"{stem}.png")
+        result["plot"] = f"{stem}.png"
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2, default=float))
     return path
 

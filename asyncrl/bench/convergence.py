@@ -59,10 +59,9 @@ from asyncrl.bench.common import int_list, print_table, str_list
 from asyncrl.config import Config
 
 ACC = "guided_accuracy"
-# Per-run cost model for the printed estimate (idle 2-core machine, quick-start config, measured
-# 2026-12-01 after the small-machine speed work): start-up, seconds per learner step (async ~1.8,
-# synchronous slower), greedy evaluation seconds per row. Under load (five sessions on 2 cores)
-# start-up took 1-3 min and a synchronous step 4.3 s on average.
+# Per-run cost model for the printed estimate, from quick-start runs on an idle 2-core machine:
+# start-up, seconds per learner step (asynchronous steps are faster, synchronous slower), greedy
+# evaluation seconds per row. On a loaded machine every term grows, so the estimate is a floor.
 EST_STARTUP_S, EST_STEP_S, EST_EVAL_ROW_S = 35.0, 2.3, 0.025
 RETRIES = 1  # a failed run is started once more before the grid moves on
 VARIANCE_MODES = ["decoupled", "m2po", "decoupled+lr_scale=ess", "decoupled+lag_decay=0.5",

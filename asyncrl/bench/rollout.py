@@ -27,7 +27,7 @@ Figures: policy tokens/s (sampled tokens / wall seconds) of both sides, per roun
 actor produces `--groups` groups from fresh prompts, then the bare engine replays that round's
 requests); `ratio` = median over rounds of actor/bare (robust to load spikes from other
 processes on a shared machine); `ratio_total` = total actor tokens/s / total bare tokens/s.
-Goal (issue 7): ratio >= 0.9.
+Target: ratio >= 0.9 (docs/benchmarks.md, "Targets").
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ class RolloutConfig(Section):
     no busy-polling queue between them); None = True on CPU. Ignored on GPU (`engine_env`)."""
     engine_fork: bool | None = None
     """vLLM CPU build: fork the engine-core process from the rollout actor instead of spawning it (a
-    spawned one imports torch and vLLM again: 5-7 s of the first step's wait on 2 cores); None = True
+    spawned one imports torch and vLLM again, on the first step's critical path); None = True
     on CPU with the model worker in-process. Never on GPU, never for engines built outside a rollout
     actor (`asyncrl.engine_setup.engine_core_forked`)."""
     max_model_len: int | None = None
@@ -305,7 +305,7 @@ class BufferConfig(Section):
     the hard bound on delivery either way; logged: `buffer/admission_staleness`."""
     drift_budget: float = Field(0.02, gt=0)
     """staleness=drift: the budget of KL(mu || pi_prox) per trained sequence, the mean of
-    `train/seq_mismatch_kl` (the previous round measured 0.004-0.012 at lag 1, 0.03-0.09 at lag 4)."""
+    `train/seq_mismatch_kl` (on the quick start: 0.004-0.012 at lag 1, 0.03-0.09 at lag 4)."""
     capacity_groups: int = Field(1024, gt=0)
     """Buffered groups at most; producers are told "full" beyond it (never a silent drop)."""
     capacity_mb: float = Field(1024.0, gt=0)
@@ -380,8 +380,8 @@ class OffPolicyConfig(Section):
     seq_kl_budget: float | None = Field(None, gt=0)
     """Drift masking (any weighting mode but none/bypass): a sequence whose k3 estimate of
     KL(mu || pi_prox), summed over its trained tokens, exceeds this gets weight 0 on every token
-    (null = off); logged: `train/drift_masked_frac`. The previous round measured 0.004-0.012 per
-    conversation at lag 1, 0.03-0.09 at lag 4."""
+    (null = off); logged: `train/drift_masked_frac`. On the quick start a conversation drifts
+    0.004-0.012 at lag 1, 0.03-0.09 at lag 4."""
     lag_decay: float = Field(1.0, gt=0, le=1)
     """Per-group down-weighting by lag: a group's advantages are multiplied by lag_decay^lag, lag =
     versions between the group's oldest token and the trained version (1.0 = off); logged:
@@ -440,8 +440,8 @@ class WeightSyncConfig(Section):
     bucket_mb: float = Field(256.0, gt=0)
     """Flat per-dtype bucket size of the broadcast."""
     gloo_bucket_mb: float = Field(16.0, gt=0)
-    """Bucket cap on the gloo (CPU) path, which uses min(bucket_mb, this): measured here, 4-16 MB
-    buckets beat one flat gloo broadcast 1.5-2.4x, 32 MB and up lose (copy + gloo large-message cost)."""
+    """Bucket cap on the gloo (CPU) path, which uses min(bucket_mb, this): on a 2-core CPU machine
+    4-16 MB buckets beat one flat gloo broadcast 1.5-2.4x, 32 MB and up lose (copy + gloo large-message cost)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Collective back-end; auto = nccl on GPU, gloo on CPU."""
     timeout_s: float = Field(60.0, gt=0)
@@ -474,8 +474,7 @@ class LearnerConfig(Section):
     micro_batch_tokens: int | None = Field(None, gt=0)
     """Token budget of one micro-batch (padded length x sequences); None = derived
     (`learner_device_defaults`): 8192 on GPU, 2048 on CPU (less padding and activations that stay
-    in cache: the quick start's learner step 1.38 -> 1.04 s alone on one core, the same loss since
-    micro-batches are summed exactly)."""
+    in cache make a CPU step faster; the loss is the same since micro-batches are summed exactly)."""
     max_micro_batch_size: int = Field(64, gt=0)
     """Sequences per micro-batch at most."""
     mini_batches: int = Field(1, ge=1)

@@ -5,7 +5,7 @@ Follows Guided-GRPO (docs/guided_grpo.md#data-format):
   (loader from the files' extension), or a hub id (split default `train`); `prompt_key`/`answer_key`
   columns; other columns carried along untouched. Parquet files and hub ids load with HF `datasets`;
   local JSON and JSON-lines files are read with the standard library (importing `datasets` brings
-  pandas and pyarrow: ~3 s of every launch on a small machine). As with `datasets`, every row gets
+  pandas and pyarrow, a large share of a launch's start-up on a small machine). As with `datasets`, every row gets
   every column (None where a row lacks it); unlike it, values stay as the file wrote them (pyarrow
   unifies a column's type: 3 becomes 3.0 in a column that also holds 3.5, and a column mixing
   numbers and text fails to load).
@@ -218,7 +218,7 @@ def filter_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     no remote code) loads as transformers' generic `TokenizersBackend` over that file: its saved
     pipeline and added tokens, and the chat template and special tokens of `tokenizer_config.json`.
     `AutoTokenizer` would pick a model-specific subclass (e.g. `Qwen2Tokenizer`) through machinery
-    that imports torch (~2-3 s of the launcher's start-up on 2 cores); the filter only counts tokens of
+    that imports torch (which the launcher otherwise never imports); the filter only counts tokens of
     the rendered prompt without special-token insertion, which the subclass computes from the same
     file (tests/unit/test_data.py checks texts and counts against AutoTokenizer on every shipped
     tokenizer). Anything else (a hub id, remote code, no tokenizer.json): `AutoTokenizer`."""

@@ -239,8 +239,8 @@ def _load_rows_in_background(cfg: Config) -> threading.Thread:
     Ray starts and the driver starts the learner and the engines; the data step of the topology then
     takes them (asyncrl.data.preload_training_rows), and a file that did not load stops the launch
     before the learner and the engines are asked for (`build_topology`'s `fail_early`). It starts
-    beside `ray.init` since it costs ~1.2 CPU-s (the JSON reader and the tokenizer import no torch,
-    pandas or pyarrow; it was ~4 CPU-s, and then slowed Ray's start by 2-3 s on 2 cores). The thread
+    beside `ray.init` since it is cheap (the JSON reader and the tokenizer import no torch, pandas or
+    pyarrow; a heavier load beside `ray.init` would slow Ray's start on a small machine). The thread
     runs at the niceness of Ray's workers (15; Linux: niceness is per thread): at the driver's 0 it
     would take the cores from the engine and learner builds, at 19 it starved behind them and the
     coordinator, which needs the rows and which the engines need next, came late."""

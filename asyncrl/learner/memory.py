@@ -120,7 +120,7 @@ ALLOCATOR_SLACK = 0.22  # glibc heap growth over a CPU learner's tensor state (m
 
 def cpu_learner_extras(shape: ModelShape, *, trainable: float, churn_bytes: float) -> dict[str, int]:
     """What every CPU learner rank holds beyond `rank_bytes`, measured
-    at Qwen2.5-0.5B's shape (0.494e9 parameters, fp32, ZeRO-0; BENCHMARKS.md "Real size on CPU").
+    at Qwen2.5-0.5B's shape (0.494e9 parameters, fp32, ZeRO-0; docs/benchmarks.md "Scale").
     Two real jobs were killed by Ray's memory monitor in step 2 with the learner at 15.2 GiB (KL
     on) and 14.5 GiB (KL off) resident (lower bounds of its peak: it was still growing) against
     11.1 and 9.2 GiB estimated by `rank_bytes` alone. An in-process learner
@@ -181,8 +181,8 @@ def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int, batched_tokens: in
     """Host memory of one vLLM CPU engine: fp32 weights, its KV cache, the runtime, and fp32
     vocabulary-wide buffers for `batched_tokens` (`rollout.max_num_batched_tokens`): at
     Qwen2.5-0.5B's shape the engine core held 4.54 GiB against 3.6 for the first three terms,
-    and 2048 x 151,936 x 4 B = 1.16 GiB bounds the 0.94 GiB difference (one measurement, BENCHMARKS.md
-    "Real size on CPU"; negligible at the quick start's vocabulary)."""
+    and 2048 x 151,936 x 4 B = 1.16 GiB bounds the 0.94 GiB difference (one measurement, docs/benchmarks.md
+    "Scale"; negligible at the quick start's vocabulary)."""
     return {"weights (fp32)": int(4 * shape.params), "KV cache": int(kv_cache_bytes), "runtime": CPU_RUNTIME_BYTES,
             "vocabulary buffers": int(4 * batched_tokens * shape.vocab)}
 

@@ -6,7 +6,7 @@ first on PATH. A venv has two: the `ninja` wheel (1.13, `.ninja_log` format v7) 
 and the system's (1.11, format v5). A process started as `.venv/bin/python` (the Makefile, Ray
 workers) finds the system one; a process in an activated venv finds the wheel. Each ninja
 discards a log written by the other version and rebuilds every object (the "two command hashes
-alternating" seen in `.ninja_log`), ~30 s on two cores, on every switch between `make test`,
+alternating" seen in `.ninja_log`), a full rebuild on every switch between `make test`,
 `make run` and an activated shell.
 
 The second cause of rebuilds: torch keeps the build in one directory per user

@@ -103,10 +103,10 @@ class VerifierClient:
 
     def prepare(self, timeout_s: float = 10.0) -> bool:
         """Warm the in-cluster path before the first request needs it; blocking, for a thread (a
-        rollout actor runs it while its engine builds). Imports Serve (~0.8 CPU-s with the modules
-        it pulls in), looks the application's handle up and makes one `info` call, which builds the
-        handle's router and learns the replicas: without it the first turn of the first conversations
-        paid all of that (~1.5 s of the guided quick start's first batch). An application that does
+        rollout actor runs it while its engine builds). Imports Serve (with the modules it pulls in),
+        looks the application's handle up and makes one `info` call, which builds the handle's router
+        and learns the replicas: without it the first turn of the first conversations pays all of
+        that, on the first batch's critical path. An application that does
         not run yet leaves the lookup to the first request, as before. Returns whether the handle
         answered; never raises. An HTTP client has nothing to prepare."""
         if self.handle is None and self._app_name is None:

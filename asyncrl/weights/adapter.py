@@ -9,7 +9,7 @@ receiving end differs: the engine writes them to a directory (`write_adapter_dir
 loads that as a new LoRA. Why the wire and not a file the learner writes into /dev/shm: the
 engines may sit on other nodes, and the wire already carries the integrity and late-joiner
 guarantees; an adapter is small enough that the extra write on the receiving side costs
-milliseconds (BENCHMARKS.md, LoRA).
+milliseconds (docs/benchmarks.md, "LoRA").
 
 `sync_kind` decides, the same way on the learner and on every engine, what a version is:
 `full` (no LoRA), `adapter`, or `merged` (base + adapter merged into full weights, for an

@@ -78,7 +78,8 @@ def group_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     time and holds the connection for the whole of a blocking `get`/`wait`: gloo's constructor
     (and NCCL's first collective) wait there for every peer's key, up to the backstop, so on the
     member's shared client they would stall its heartbeats and the sender's own bookkeeping until
-    then (a member that died before connecting held a round for 50 s instead of one deadline)."""
+    then (a member that died before connecting would hold a round until the backstop instead of one
+    deadline)."""
     return make_store(host, port, is_master=False, timeout_s=timeout_s)
 
 

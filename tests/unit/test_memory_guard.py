@@ -58,7 +58,7 @@ def test_tiny_quick_start_fits_and_the_check_is_registered():
 
 
 def test_the_two_real_size_jobs_that_were_killed_are_refused_and_the_12_layer_one_fits(tmp_path):
-    # Measured (BENCHMARKS.md "Real size on CPU", 2026-12-02) on this 23.5 GiB machine, ZeRO-0: with
+    # Measured (docs/benchmarks.md, "Scale") on this 23.5 GiB machine, ZeRO-0: with
     # the KL reference the job was killed by Ray's memory monitor in step 2 with learner rank 0 at
     # 15.2 GiB and the engine core at 4.5 GiB; without it, at 14.5 and 4.5 GiB. The estimate used to
     # say 11.1 GiB for the first learner and let both start. Now: the weight-sync host copy (4P =

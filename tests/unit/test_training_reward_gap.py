@@ -1,4 +1,4 @@
-"""scripts/training_reward_gap.py's summary of evaluated conversations (no engine): accuracy with
+"""analysis/training_reward_gap.py's summary of evaluated conversations (no engine): accuracy with
 its standard error over rows, the clean/rescued split, format and wrong-answer rates, by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "training_reward_gap.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "analysis" / "training_reward_gap.py"
 
 
 def _module():

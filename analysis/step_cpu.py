@@ -2,12 +2,12 @@
 CPU time (psutil, the launcher and all its descendants: Ray's daemons, the actors, vLLM's engine core)
 and print core-seconds per step by process, with the job's median step figures over the same window.
 
-    python scripts/step_cpu.py --config configs/quickstart.yaml --from-step 20 --to-step 65 \\
+    python analysis/step_cpu.py --config configs/quickstart.yaml --from-step 20 --to-step 65 \\
         rollout.guide.enable=false
 
 On a machine with few cores the job is CPU-bound, so the total per step divided by the cores is a
-floor for the step time, and the rows say which process to make cheaper (BENCHMARKS.md, "Where a
-single-turn step's CPU goes"). Run it on an otherwise idle machine; compare runs interleaved."""
+floor for the step time, and the rows say which process to make cheaper (docs/benchmarks.md, "TRL":
+where a single-turn step's CPU goes). Run it on an otherwise idle machine; compare runs interleaved."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a LoRA-enabled vLLM CPU engine spends its time, against the same engine without LoRA.
 
-    python scripts/profile_lora_engine.py [--config configs/quickstart_lora.yaml]
+    python analysis/profile_lora_engine.py [--config configs/quickstart_lora.yaml]
         [--variants plain lora lora:adapter=1 lora:rank=8,keep=1] [--rounds 3] [--py-spy DIR]
 
 Each variant is a real `PolicyEngine` (asyncrl/actors/engine.py, built as the rollout actor builds

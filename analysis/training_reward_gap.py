@@ -1,10 +1,10 @@
 """Why the quick start's sampled training reward stays flat while greedy test accuracy rises.
 
     # the same policy, the same rows, greedy and sampled (guided protocol, rule verifier, vLLM CPU)
-    python scripts/training_reward_gap.py eval --model assets/tiny-policy --split test --limit 200 \
+    python analysis/training_reward_gap.py eval --model assets/tiny-policy --split test --limit 200 \
         --temperatures 0 0.5 --samples 4 --output before.json
     # a finished run's metrics.jsonl in windows of steps, with the trained batches' difficulty
-    python scripts/training_reward_gap.py windows RUN_DIR [--window 25]
+    python analysis/training_reward_gap.py windows RUN_DIR [--window 25]
 
 `eval` runs `asyncrl.eval.evaluate_with_llm` (the trainer's evaluation loop) once per temperature,
 each row `--samples` times when sampling (the engine's global seed `--seed`), and splits the

@@ -1,6 +1,6 @@
 """Where a policy loses guided accuracy on the arith quick-start world, and how much RL could win.
 
-    python scripts/analyze_arith_policy.py --model assets/tiny-policy [--split test] [--limit 200]
+    python analysis/analyze_arith_policy.py --model assets/tiny-policy [--split test] [--limit 200]
 
 Runs the greedy guided evaluation (`asyncrl.eval`, real vLLM CPU engine + rule verifier) and reports
 - the verifier's verdict on every policy turn (`step_error`, `correct`, `stop`, ...),
