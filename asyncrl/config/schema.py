@@ -131,4 +131,5 @@ class Config(Section):
         return Path(self.trainer.run_dir) / self.trainer.experiment_name
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False)
+        """The config as written to the run directory: the job's secrets are redacted."""
+        return json.dumps(self.model_dump(mode="json", context={"redact_secrets": True}), indent=2, sort_keys=False)
