@@ -120,6 +120,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
     from asyncrl.coordinator import COORDINATOR_NAME, Coordinator
     from asyncrl.data import has_preloaded_rows, load_training_rows
     from asyncrl.learner.group import LearnerGroup, reserve_placement
+    from asyncrl.replay.bounds import model_vocab_size
     from asyncrl.replay.host import BufferHost
     from asyncrl.weights.store import start_weight_store
 
@@ -160,7 +161,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
         # Created now (a handle: the rollout actors are given it), so its process starts while the
         # learner's placement is reserved and the engines build; its step below waits for it.
         topo.buffer = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **restarts).remote(
-            cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
+            cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range,
+            model_vocab_size(cfg.model.path))
         fail_early()  # training rows that did not load (usually known by now: they load while Ray starts)
         # The learner's GPUs first: reserved after the engines, its ranks would be spread over
         # the nodes the engines left (ZeRO collectives then cross the inter-node link).

@@ -149,7 +149,7 @@ class RolloutWorker:
         if not self.buffer_address:
             self.buffer_address = await self.buffer_host.start.remote()  # idempotent: its address
         self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
-                                   actor_id=self.actor_id)
+                                   secret=cfg.buffer.secret if cfg.buffer.auth else None, actor_id=self.actor_id)
         if self.pushes is not None:
             self.pushes.close()
         # pushes of concurrent groups overlap on the wire; each group still awaits its own ack

@@ -93,6 +93,9 @@ class Config(Section):
             problems.append("verifier.backend=vllm requires verifier.model_path")
         if self.buffer.dynamic_sampling.low >= self.buffer.dynamic_sampling.high:
             problems.append("buffer.dynamic_sampling.low must be < buffer.dynamic_sampling.high")
+        if self.learner.batch_timeout_s > self.buffer.max_wait_s:
+            problems.append(f"learner.batch_timeout_s={self.learner.batch_timeout_s} must be <= buffer.max_wait_s="
+                            f"{self.buffer.max_wait_s} (the buffer refuses longer waits)")
         if self.learner.clip_eps_low >= 1:
             problems.append("learner.clip_eps_low must be < 1")
         if self.learner.off_policy.low >= self.learner.off_policy.high:

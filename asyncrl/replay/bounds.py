@@ -20,7 +20,9 @@ The bounds:
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +38,17 @@ class OutOfRange(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def model_vocab_size(model_path: str) -> int | None:
+    """The vocabulary size in a local model directory's config.json (`vocab_size`, or its
+    `text_config`'s for multimodal models); None when it cannot be read (ids then go unchecked)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def check_wait(where: str, value: float, ceiling: float) -> float:

@@ -202,6 +202,7 @@ class ReplayBufferServer:
             if self.log is not None:
                 out["buffer/log_mb"] = self.log.size / 2**20
                 out["buffer/log_torn_bytes"] = float(self.log.torn_bytes)
+                out["buffer/log_fsyncs"] = float(self.log.fsyncs)
             out["buffer/disk_full"] = float(self.disk_full)
             out["buffer/waiting_ticket_requests"] = float(self._parked_tickets)
             out["buffer/waiting_batch_requests"] = float(len(self._batches))

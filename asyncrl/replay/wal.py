@@ -108,6 +108,7 @@ class BufferLog:
         self.torn_bytes = 0  # cut off the tail by the last replay
         self.damaged: list[DamagedRecord] = []  # skipped by the last replay
         self.lost: list[tuple[int, str]] = []  # (seq, uid) of live groups whose record was damaged
+        self.fsyncs = 0  # commits that reached the disk (group commit: fewer than acknowledged pushes)
 
     # ------------------------------------------------------------------------------ writing
     @staticmethod
@@ -155,6 +156,7 @@ class BufferLog:
         now = time.monotonic()
         if self.fsync == "always" or (self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
             os.fsync(self._fd)
+            self.fsyncs += 1
             self._last_sync = now
             self._dirty = False
         elif self.fsync == "never":
