@@ -69,6 +69,9 @@ class RolloutWorker:
         redirect_output(actor_id)  # vLLM and its engine processes write to <run_dir>/logs/<actor_id>.log
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.cfg = Config.model_validate_json(cfg_json)
+        # the engine's weight receivers sign their (re)join requests with the job's secret; its
+        # processes inherit it from here (asyncrl.weights.receiver.SECRET_ENV), never from a file
+        os.environ["ASYNCRL_WEIGHTS_SECRET"] = self.cfg.learner.weights.secret
         self.actor_id = actor_id
         self.buffer_address = buffer_address
         self.buffer_host = buffer
