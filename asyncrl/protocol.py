@@ -206,8 +206,8 @@ class SetVersion:
 
 @dataclass(slots=True)
 class VersionReached:
-    """The learner reached `version`: admission advances now. Forward only, by a bounded step
-    (a lower or far-ahead version is refused `out_of_range`)."""
+    """The learner reached `version`: admission advances now. Forward only: a lower version changes
+    nothing, one more than a bounded step ahead is refused `out_of_range`."""
     version: int = 0
 
 

@@ -9,7 +9,7 @@ The bounds:
 - waits (`timeout_s`): finite, 0 <= t <= `buffer.max_wait_s`;
 - batch sizes: 1 <= num_groups <= `buffer.capacity_groups`; `ahead` in [0, VERSION_LEAD];
 - versions: a batch request's in [0, v + VERSION_LEAD], a learner's `VersionReached` in
-  [v, v + VERSION_LEAD] (forward only), a group's in [0, v + VERSION_LEAD], where v is the
+  [0, v + VERSION_LEAD] (and it never moves v backwards), a group's in [0, v + VERSION_LEAD], where v is the
   buffer's version (the job sets it through the actor on resume and recovery, so honest members
   are never more than a step or two ahead);
 - tickets: >= -1 (-1 = untracked push);

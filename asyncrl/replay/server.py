@@ -554,8 +554,8 @@ class ReplayBufferServer:
                 self._send(sock, old.ident, old.rid, BatchReply(0, st.version, st.counters["dropped_stale"]))
             self._batches[ident] = _Waiter(ident, rid, msg, now, now + wait)
         elif isinstance(msg, VersionReached):
-            check_int("version", "VersionReached.version", msg.version, st.version, st.version + VERSION_LEAD)
-            dropped = st.set_version(msg.version)
+            check_int("version", "VersionReached.version", msg.version, 0, st.version + VERSION_LEAD)
+            dropped = st.set_version(msg.version) if msg.version > st.version else 0  # never backwards
             self._send(sock, ident, rid, Ack(f"dropped_stale={dropped}"))
         elif isinstance(msg, TicketRelease):
             released = st.release(msg.ticket)

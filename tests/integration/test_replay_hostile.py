@@ -29,6 +29,7 @@ from asyncrl.protocol import (
     SnapshotRequest,
     TicketReply,
     TicketRequest,
+    VersionReached,
     decode,
     encode,
 )
@@ -139,15 +140,18 @@ def test_huge_batch_sizes_versions_and_tickets_are_refused() -> None:
         cases = [(BatchRequest(10**6, 0, 1.0), "num_groups"), (BatchRequest(65, 0, 1.0), "num_groups"),
                  (BatchRequest(0, 0, 1.0), "num_groups"), (BatchRequest(1, 10**9, 1.0), "version"),
                  (BatchRequest(1, -5, 1.0), "version"), (BatchRequest(1, 0, 1.0, ahead=10**6), "ahead"),
-                 (Push(-7), "ticket")]
+                 (Push(-7), "ticket"), (VersionReached(10**9), "version"), (VersionReached(-1), "version")]
         for msg, name in cases:
             reply = peer.ask(msg, encode(small_group(0, "x"))) if isinstance(msg, Push) else peer.ask(msg)
             assert isinstance(reply, ErrorReply) and reply.code == "out_of_range", (msg, reply)
             assert name in reply.message, (msg, reply.message)
         stats = client.stats()
-        assert stats["buffer/refused/num_groups"] == 3 and stats["buffer/refused/version"] == 2
+        assert stats["buffer/refused/num_groups"] == 3 and stats["buffer/refused/version"] == 4
         assert stats["buffer/version"] == 0
-        assert client.push(small_group(0, "ok")).status == "stored"
+        client.set_version(3)  # the learner moves forward ...
+        assert isinstance(peer.ask(VersionReached(1)), Ack)  # ... and a lower version never moves it back
+        assert client.stats()["buffer/version"] == 3
+        assert client.push(small_group(3, "ok")).status == "stored"
     finally:
         peer.close()
         client.close()
