@@ -343,6 +343,11 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         paths["buffer_2_producers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 2, 11, tokens)
         paths["buffer_durable_fsync_never"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens,
                                                                       threads=1, fsync="never")
+        # two pipelined producers: more pushes reach the server together (what group commit groups)
+        paths["buffer_window_2_producers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 2, 21, tokens,
+                                                                     window=max(2, cfg.buffer.push_window))
+        paths["buffer_durable_window_2_producers"] = lambda: _through_buffer(
+            cfg.buffer, batch_size, n, 2, 21, tokens, fsync="always", window=max(2, cfg.buffer.push_window))
     history: list[dict[str, Any]] = []
     for _ in range(rounds):
         history.append({name: fn() for name, fn in paths.items()})
@@ -385,7 +390,8 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
              f"{result['buffer_durable_window']['fsyncs_per_group']:.2f} | "
              f"{result['buffer_durable']['fsyncs_per_group']:.2f}")]
     for name in ("bare", "codec_pipe", "buffer", "buffer_no_auth", "buffer_window", "buffer_durable",
-                 "buffer_durable_window", "buffer_durable_fsync_never",
+                 "buffer_durable_window", "buffer_durable_fsync_never", "buffer_window_2_producers",
+                 "buffer_durable_window_2_producers",
                  f"buffer_{PUSHERS}_pushers", "buffer_2_producers"):
         if name in result:
             r = result[name]

@@ -45,7 +45,7 @@ def hostile(address: str, secret: str | None, stop: threading.Event, sent: list[
                 smp.prompt_ids, smp.response_ids = smp.prompt_ids % 384, smp.response_ids % 384
             g.samples[0].behaviour_logprobs = np.abs(g.samples[0].behaviour_logprobs) + 1.0
         # else: ids up to 150,000, far outside the quick-start vocabulary
-        for msg, extra in ((Push(-1), [encode(g)]), (BatchRequest(10**6, 0, 1e6), []),
+        for msg, extra in ((Push(-1), [encode(g)]), (BatchRequest(10**6, 0, 1.0), []), (BatchRequest(1, 0, 1e6), []),
                            (TicketRequest("evil", float("inf")), []), (SnapshotRequest("/tmp/evil.snap"), []),
                            (SetVersion(10**9), [])):
             frames = [struct.pack("<Q", i), encode(msg), *extra]
