@@ -11,8 +11,8 @@ the log and binds the same port at once, so the address every client was given s
 clients reconnect by themselves (`BufferClient` resends what was in flight), control-plane calls
 are retried by Ray. Snapshots are written only inside the run directory (`state_dir`'s parent);
 the socket refuses snapshot, restore and version requests (only these actor methods do them).
-If the socket thread stops, every actor call raises `BufferUnhealthy` naming the cause, so the
-job fails loudly instead of waiting on a buffer that no longer answers. `buffer/restarts` and `buffer/recovered_groups` count what happened. A fresh
+If the socket thread stops, `stats` and `set_version` (called every step) raise `BufferUnhealthy`
+naming the cause, so the job fails loudly instead of waiting on a buffer that no longer answers. `buffer/restarts` and `buffer/recovered_groups` count what happened. A fresh
 (not restarted) host starts with an empty log: resuming a run restores the checkpoint's snapshot.
 """
 

@@ -22,7 +22,7 @@ Guarantees
   tickets are handed out round-robin over connections.
 - The socket thread survives its own bugs: an exception in the loop is logged and counted
   (`buffer/loop_errors`) and the loop goes on; after 100 in a row it stops and `healthy()` turns
-  False with the cause (the `BufferHost` actor then fails every call loudly).
+  False with the cause (the `BufferHost` actor's `stats`/`set_version` then raise it).
 - Group commit: the replies to a burst of requests (up to 256 drained at once) are sent after one
   `commit()` of the durable log, so each acknowledged push is on disk (fsync) before its
   acknowledgement and one fsync covers the pushes that arrived together.
