@@ -199,6 +199,15 @@ class BatchReply:
 
 @dataclass(slots=True)
 class SetVersion:
+    """Set the buffer's version to any value. Never accepted over the socket (answered `forbidden`):
+    the job sets it through the `BufferHost` actor; the learner moves forward with `VersionReached`."""
+    version: int = 0
+
+
+@dataclass(slots=True)
+class VersionReached:
+    """The learner reached `version`: admission advances now. Forward only: a lower version changes
+    nothing, one more than a bounded step ahead is refused `out_of_range`."""
     version: int = 0
 
 
@@ -230,13 +239,16 @@ class Ack:
 @dataclass(slots=True)
 class ErrorReply:
     code: str = "error"
-    """malformed | schema | oversized | unknown_ticket | bad_request | internal."""
+    """malformed | schema | oversized | unknown_ticket | bad_request | internal | forbidden (an admin
+    request over the socket) | out_of_range (a number outside its bound; the message names the
+    field) | busy (too many waiting requests from one connection) | unauthenticated (no valid HMAC
+    of the job's secret) | disk_full (the durable log cannot be written: nothing was stored)."""
     message: str = ""
 
 
 MESSAGE_TYPES: dict[str, type] = {
     c.__name__: c for c in (Sample, Group, TicketRequest, TicketReply, TicketRelease, Push, PushReply,
-                            BatchRequest, BatchReply, SetVersion, StatsRequest, StatsReply,
+                            BatchRequest, BatchReply, SetVersion, VersionReached, StatsRequest, StatsReply,
                             SnapshotRequest, RestoreRequest, Ack, ErrorReply)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in MESSAGE_TYPES.values()}

@@ -48,6 +48,9 @@ class RolloutWorker:
         redirect_output(actor_id)  # vLLM and its engine processes write to <run_dir>/logs/<actor_id>.log
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.cfg = Config.model_validate_json(cfg_json)
+        # the engine's weight receivers sign their (re)join requests with the job's secret; its
+        # processes inherit it from here (asyncrl.weights.receiver.SECRET_ENV), never from a file
+        os.environ["ASYNCRL_WEIGHTS_SECRET"] = self.cfg.learner.weights.secret
         self.actor_id = actor_id
         self.buffer_address = buffer_address
         self.buffer_host = buffer
@@ -129,7 +132,7 @@ class RolloutWorker:
         if not self.buffer_address:
             self.buffer_address = await self.buffer_host.start.remote()  # idempotent: its address
         self.buffer = BufferClient(self.buffer_address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
-                                   actor_id=self.actor_id)
+                                   secret=cfg.buffer.secret if cfg.buffer.auth else None, actor_id=self.actor_id)
         if self.pushes is not None:
             self.pushes.close()
         # pushes of concurrent groups overlap on the wire; each group still awaits its own ack

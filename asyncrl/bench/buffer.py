@@ -20,6 +20,14 @@ acknowledgement; a full run adds `buffer_durable_fsync_never`), the log in a tem
 local disk; `durable_ratio` = its groups/s / the `buffer` path's, both from the same rounds.
 `ratio` = buffer groups/s / bare groups/s; MB/s counts the groups' array bytes (ids, masks,
 logprobs, versions), the same for every path. Also the encode and decode time of a 1 MB group.
+
+Every buffer path authenticates its requests (`buffer.auth`, an HMAC of the job's secret on every
+request, the default) except `buffer_no_auth`: `auth_ratio` = `buffer` / `buffer_no_auth` groups/s
+(what authentication costs). `buffer_durable_window` is `buffer_window` with the durable log and
+fsync before every acknowledgement: the pushes in flight together reach the server together and
+share one fsync (group commit); `durable_window_ratio` = its groups/s / `buffer_window`'s (the
+in-memory figure of the same path, same rounds), and `durable_fleet_headroom` = its MB/s / 7.2 MB/s
+(what a 256-engine 7B fleet produces: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from asyncrl.bench.common import print_table
 HWM = 64
 PAYLOAD_SEED = 1  # every path sends the same 8 groups, cycled
 PUSHERS = 4  # concurrent pushes per producer process (threads, each with its own DEALER socket)
+FLEET_MB_PER_S = 7.2  # a 256-engine fleet of 7B engines (the assumption in docs/benchmarks.md)
 
 
 def _pool(seed: int, count: int, min_tokens: int, max_tokens: int) -> list[Any]:
@@ -116,7 +125,7 @@ def _serve(cfg_json: str, batch_size: int, address_q: Any, stop: Any, log_path: 
 
 
 def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: int, ready: Any,
-                     go: Any, stop: Any, window: int = 0) -> None:
+                     go: Any, stop: Any, window: int = 0, secret: str | None = None) -> None:
     """One producer process with `threads` concurrent pushers (an actor has many groups in flight),
     each pushing until `stop` (`_push_one_at_a_time`, or `_push_windowed` when `window` > 0)."""
     import threading
@@ -135,7 +144,7 @@ def _buffer_producer(address: str, seed: int, tokens: tuple[int, int], threads: 
         except BaseException as exc:
             errors.append(exc)
 
-    with BufferClient(address, reply_grace_s=60.0) as client:
+    with BufferClient(address, secret=secret, reply_grace_s=60.0) as client:
         client.stats()  # connected
         ready.release()
         go.wait(60)
@@ -217,7 +226,7 @@ def _push_windowed(client: Any, pool: list[Any], tag: str, stop: Any, window: in
 
 def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int,
                     tokens: tuple[int, int], threads: int = 1, fsync: str | None = None,
-                    window: int = 0) -> dict[str, float]:
+                    window: int = 0, auth: bool = True) -> dict[str, float]:
     """`fsync`: with the durable log (that fsync policy), in a temporary directory; None: without.
     `window`: pipelined pushes (see `_buffer_producer`). The learner side is what learner rank 0
     does: raw frames from the buffer (`get_batch_frames`), decoded once."""
@@ -226,6 +235,8 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
     from asyncrl.protocol import decode
     from asyncrl.replay.client import BufferClient
 
+    cfg = cfg.model_copy(update={"auth": auth})
+    secret = cfg.secret if auth else None
     log_dir = tempfile.TemporaryDirectory(prefix="asyncrl-bench-wal-") if fsync else None
     if fsync:
         cfg = cfg.model_copy(update={"durable": cfg.durable.model_copy(update={"enable": True, "fsync": fsync})})
@@ -238,11 +249,11 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
     address = address_q.get(timeout=120)
     ready = spawn.Semaphore(0)
     procs = [spawn.Process(target=_buffer_producer,
-                           args=(address, seed + i, tokens, threads, ready, go, stop_producers, window),
+                           args=(address, seed + i, tokens, threads, ready, go, stop_producers, window, secret),
                            daemon=True) for i in range(producers)]
     for p in procs:
         p.start()
-    client = BufferClient(address, reply_grace_s=60.0)
+    client = BufferClient(address, secret=secret, reply_grace_s=60.0)
     client.stats()
     for _ in procs:
         if not ready.acquire(timeout=120):
@@ -265,6 +276,7 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
     stats = client.stats()
     client.close()
     stop_producers.set()
+    fsyncs = stats.get("buffer/log_fsyncs", 0.0)
     for p in procs:
         p.join(30)
     stop.set()
@@ -273,6 +285,8 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
         log_dir.cleanup()
     out = _figures(got, nbytes, elapsed, latencies)
     out["dropped_stale"] = stats["buffer/dropped_stale"]
+    if fsync:
+        out["fsyncs_per_group"] = fsyncs / max(1, stats["buffer/ingested"])
     out["staleness_mean"] = stats["buffer/staleness_mean"]
     return out
 
@@ -316,9 +330,12 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "bare": lambda: _bare(n, 1, tokens, codec=False),
         "codec_pipe": lambda: _bare(n, 1, tokens, codec=True),
         "buffer": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1),
+        "buffer_no_auth": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1, auth=False),
         "buffer_durable": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1, fsync="always"),
         "buffer_window": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1,
                                                  window=max(2, cfg.buffer.push_window)),
+        "buffer_durable_window": lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens, threads=1,
+                                                         fsync="always", window=max(2, cfg.buffer.push_window)),
     }
     if not smoke:
         paths[f"buffer_{PUSHERS}_pushers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 2, tokens,
@@ -326,6 +343,11 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         paths["buffer_2_producers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 2, 11, tokens)
         paths["buffer_durable_fsync_never"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 1, 1, tokens,
                                                                       threads=1, fsync="never")
+        # two pipelined producers: more pushes reach the server together (what group commit groups)
+        paths["buffer_window_2_producers"] = lambda: _through_buffer(cfg.buffer, batch_size, n, 2, 21, tokens,
+                                                                     window=max(2, cfg.buffer.push_window))
+        paths["buffer_durable_window_2_producers"] = lambda: _through_buffer(
+            cfg.buffer, batch_size, n, 2, 21, tokens, fsync="always", window=max(2, cfg.buffer.push_window))
     history: list[dict[str, Any]] = []
     for _ in range(rounds):
         history.append({name: fn() for name, fn in paths.items()})
@@ -338,6 +360,14 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
         "durable_ratio_median": float(np.median([h["buffer_durable"]["groups_per_s"] / h["buffer"]["groups_per_s"]
                                                  for h in history])),
         "window_ratio": best["buffer_window"]["groups_per_s"] / best["buffer"]["groups_per_s"],
+        "auth_ratio": best["buffer"]["groups_per_s"] / best["buffer_no_auth"]["groups_per_s"],
+        "auth_ratio_median": float(np.median([h["buffer"]["groups_per_s"] / h["buffer_no_auth"]["groups_per_s"]
+                                              for h in history])),
+        "durable_window_ratio": best["buffer_durable_window"]["groups_per_s"] / best["buffer_window"]["groups_per_s"],
+        "durable_window_ratio_median": float(np.median([h["buffer_durable_window"]["groups_per_s"]
+                                                        / h["buffer_window"]["groups_per_s"] for h in history])),
+        "durable_fleet_headroom": best["buffer_durable_window"]["mb_per_s"] / FLEET_MB_PER_S,
+        "durable_one_at_a_time_fleet_headroom": best["buffer_durable"]["mb_per_s"] / FLEET_MB_PER_S,
         **best, "codec_1mb": codec, "rounds": history,
         "params": {"groups": n, "rounds": rounds, "samples_per_group": 8, "response_tokens": list(tokens),
                    "prompt_tokens": 256, "batch_size": batch_size, "max_staleness": cfg.buffer.max_staleness,
@@ -349,8 +379,19 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
             ("durable log on / off groups/s (best | median)", f"{result['durable_ratio']:.3f} | "
                                                               f"{result['durable_ratio_median']:.3f}"),
             (f"pipelined pushes (window {max(2, cfg.buffer.push_window)}) / one at a time groups/s",
-             result["window_ratio"])]
-    for name in ("bare", "codec_pipe", "buffer", "buffer_window", "buffer_durable", "buffer_durable_fsync_never",
+             result["window_ratio"]),
+            ("authentication on / off groups/s (best | median)", f"{result['auth_ratio']:.3f} | "
+                                                                 f"{result['auth_ratio_median']:.3f}"),
+            ("durable (group commit) / in-memory, pipelined groups/s (best | median)",
+             f"{result['durable_window_ratio']:.3f} | {result['durable_window_ratio_median']:.3f}"),
+            (f"durable MB/s / {FLEET_MB_PER_S} MB/s fleet (pipelined | one at a time)",
+             f"{result['durable_fleet_headroom']:.1f}x | {result['durable_one_at_a_time_fleet_headroom']:.1f}x"),
+            ("fsyncs per stored group (pipelined | one at a time)",
+             f"{result['buffer_durable_window']['fsyncs_per_group']:.2f} | "
+             f"{result['buffer_durable']['fsyncs_per_group']:.2f}")]
+    for name in ("bare", "codec_pipe", "buffer", "buffer_no_auth", "buffer_window", "buffer_durable",
+                 "buffer_durable_window", "buffer_durable_fsync_never", "buffer_window_2_producers",
+                 "buffer_durable_window_2_producers",
                  f"buffer_{PUSHERS}_pushers", "buffer_2_producers"):
         if name in result:
             r = result[name]

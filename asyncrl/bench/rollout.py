@@ -99,11 +99,11 @@ class RuleVerifier:
         return {}
 
 
-def _drain(address: str, stop: threading.Event, counter: list[int]) -> None:
+def _drain(address: str, secret: str, stop: threading.Event, counter: list[int]) -> None:
     """Stand-in learner: takes every pushed group out of the buffer (version 0)."""
     from asyncrl.replay import BufferClient
 
-    client = BufferClient(address)
+    client = BufferClient(address, secret=secret)
     try:
         while not stop.is_set():
             counter[0] += len(client.get_batch(1, version=0, timeout_s=0.3))
@@ -222,9 +222,9 @@ async def _main(cfg: Config, rounds: int, groups: int, concurrency: int) -> dict
     server = ReplayBufferServer(cfg.buffer, batch_size=max(1, cfg.data.rollout_batch_size))
     address = server.start()
     stop, drained = threading.Event(), [0]
-    drainer = threading.Thread(target=_drain, args=(address, stop, drained), daemon=True)
+    drainer = threading.Thread(target=_drain, args=(address, cfg.buffer.secret, stop, drained), daemon=True)
     drainer.start()
-    parts = {"zmq": ThreadPoolExecutor(max_workers=1), "client": BufferClient(address, actor_id="bench"),
+    parts = {"zmq": ThreadPoolExecutor(max_workers=1), "client": BufferClient(address, secret=cfg.buffer.secret, actor_id="bench"),
              "chat": PolicyChat(tokenizer), "tokenizer": tokenizer, "reward_fn": load_reward(cfg.reward),
              "push_status": {}}
     per_round: list[dict[str, Any]] = []

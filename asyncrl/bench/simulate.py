@@ -74,8 +74,9 @@ def _sim_host_class():
     class SimRolloutHost:
         """Hosts `k` simulated engines as coroutines (a Ray actor per engine would not fit 2 cores)."""
 
-        def __init__(self, address: str, k: int, n: int, model: dict[str, float], scale: float):
+        def __init__(self, address: str, k: int, n: int, model: dict[str, float], scale: float, secret: str):
             self.address, self.k, self.n, self.model, self.scale = address, k, n, model, scale
+            self.secret = secret
             self.version_seen = 0
             self.published = 0
             self.stop_flag = False
@@ -99,7 +100,7 @@ def _sim_host_class():
             from asyncrl.replay import BufferClient
 
             m = self.model
-            client = BufferClient(self.address, actor_id=f"sim-{index}")
+            client = BufferClient(self.address, secret=self.secret, actor_id=f"sim-{index}")
             version = 0
             loop = asyncio.get_running_loop()
             try:
@@ -163,17 +164,16 @@ def run_cell(actors: int, ranks: int, staleness: int, model: dict[str, float], *
     from asyncrl.config import BufferConfig
     from asyncrl.replay import BufferClient, ReplayBufferServer
 
-    server = ReplayBufferServer(BufferConfig(max_staleness=staleness, capacity_groups=100000, ticket_lease_s=600.0)
-                                if "ticket_lease_s" in BufferConfig.model_fields else
-                                BufferConfig(max_staleness=staleness, capacity_groups=100000), batch)
+    buffer_cfg = BufferConfig(max_staleness=staleness, capacity_groups=100000, ticket_lease_s=600.0)
+    server = ReplayBufferServer(buffer_cfg, batch)
     address = server.start()
     host_cls = _sim_host_class()
     hosts = min(hosts, actors)
     per = [actors // hosts + (1 if i < actors % hosts else 0) for i in range(hosts)]
-    sims = [host_cls.remote(address, k, n, model, scale) for k in per]
+    sims = [host_cls.remote(address, k, n, model, scale, buffer_cfg.secret) for k in per]
     ray.get([s.ready.remote() for s in sims], timeout=120)  # processes up before the clock starts
     runs = [s.run.remote() for s in sims]
-    learner = BufferClient(address, actor_id="sim-learner")
+    learner = BufferClient(address, secret=buffer_cfg.secret, actor_id="sim-learner")
     train_tokens = batch * n * model["tokens_per_sample"]
     train_s = scale * train_tokens / (model["train_tokens_per_s"] * (1 + (ranks - 1) * model["rank_efficiency"]))
     sync_s = scale * (model["sync_overhead_s"] + model["model_bytes"] / model["sync_bytes_per_s"])

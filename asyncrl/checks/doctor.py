@@ -41,13 +41,14 @@ class Probe:
 
         return ray.util.get_node_ip_address()
 
-    def buffer_stats(self, address: str, curve_json: str | None, timeout_s: float) -> str | None:
+    def buffer_stats(self, address: str, curve_json: str | None, timeout_s: float,
+                     secret: str | None = None) -> str | None:
         """None when one stats request is answered, else the error."""
         from asyncrl.config import CurveConfig
         from asyncrl.replay import BufferClient
 
         curve = CurveConfig.model_validate_json(curve_json) if curve_json else None
-        client = BufferClient(address, curve, actor_id="doctor", reply_grace_s=timeout_s)
+        client = BufferClient(address, curve, secret=secret, actor_id="doctor", reply_grace_s=timeout_s)
         try:
             client.stats()
             return None
@@ -210,7 +211,7 @@ class Doctor:
 
         cfg = self.cfg
         host = BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer")).remote(
-            cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, cfg.cluster.port_range)
+            cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, port_range=cfg.cluster.port_range)
         self.actors.append(host)
         try:
             address = ray.get(host.start.remote(), timeout=self.timeout_s)
@@ -220,7 +221,8 @@ class Doctor:
                      "buffer.port is taken on that node: choose another port, 0, or cluster.port_range")
             return
         curve = cfg.buffer.curve.model_dump_json() if cfg.buffer.curve.enable else None
-        results = {ip: a.buffer_stats.remote(address, curve, 5.0) for ip, a in self.on_every_node().items()}
+        secret = cfg.buffer.secret if cfg.buffer.auth else None
+        results = {ip: a.buffer_stats.remote(address, curve, 5.0, secret) for ip, a in self.on_every_node().items()}
         self._reachability("buffer", address, results, f"buffer.host={cfg.buffer.host}",
                            "set buffer.host=auto (or node / the buffer node's own address); loopback reaches only "
                            "its own node, and a firewall must let every node reach this port")

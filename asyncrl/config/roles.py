@@ -6,9 +6,10 @@ A docstring under every field is its documentation (docs/config.md is generated 
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from asyncrl.config.sections import Section
 
@@ -255,6 +256,20 @@ class VerifierConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------- buffer
+REDACTED = "<redacted>"
+
+
+def _job_secret(value: str) -> str:
+    """An empty or redacted secret becomes a fresh one (each job draws its own at parse time)."""
+    return secrets.token_hex(32) if value in ("", REDACTED) else value
+
+
+def _redact(value: str, info: Any) -> str:
+    """Secrets travel to the job's processes in the config (actor construction) but are never
+    written: `Config.to_json` (config.resolved.json, --print-config) dumps with `redact_secrets`."""
+    return REDACTED if (info.context or {}).get("redact_secrets") and value else value
+
+
 class CurveConfig(Section):
     enable: bool = False
     """CurveZMQ authentication + encryption (multi-host)."""
@@ -335,6 +350,21 @@ class BufferConfig(Section):
     long rollouts, which age out first, are not skipped for the epoch."""
     durable: DurableConfig = Field(default_factory=DurableConfig)
     """Durable log of acknowledged groups (survives the buffer process's death)."""
+    auth: bool = True
+    """Authenticate every request with an HMAC-SHA256 keyed by the job's secret (`secret`), also on
+    loopback: a process outside the job is answered `unauthenticated` (docs/security.md)."""
+    secret: str = Field("", validate_default=True)
+    """The job's buffer secret; empty = a fresh random one per job (the usual case). Handed to the
+    buffer and its clients with the config; never written to disk (redacted in config.resolved.json)."""
+    max_wait_s: float = Field(3600.0, gt=0)
+    """Ceiling of any wait a request may ask for (ticket and batch `timeout_s`); larger, negative or
+    non-finite values are refused (`buffer/refused/timeout`). Keep it above learner.batch_timeout_s."""
+    max_parked_per_peer: int = Field(16, gt=0)
+    """Ticket requests one connection may have waiting in the buffer at once (one per actor id);
+    beyond, it is answered `busy`. Each connection also has at most one waiting batch request."""
+
+    _secret = field_validator("secret")(classmethod(lambda cls, v: _job_secret(v)))
+    _secret_out = field_serializer("secret", when_used="json")(lambda self, v, info: _redact(v, info))
 
 
 # ------------------------------------------------------------------------------------------ learner
@@ -448,10 +478,17 @@ class WeightSyncConfig(Section):
     """Watchdog bound on every weight collective; a member past it is dropped and re-fed from the
     object store."""
     host: str = "auto"
-    """Advertised address of the weight group's rendezvous TCPStore on learner rank 0: `auto` =
-    loopback on an embedded cluster, rank 0's node address on a joined cluster (asyncrl.addresses)."""
+    """Bind (and advertised) address of the weight group's rendezvous TCPStore on learner rank 0:
+    `auto` = loopback on an embedded cluster, rank 0's node address on a joined cluster; a wildcard
+    binds every interface (asyncrl.addresses)."""
     port: int = Field(0, ge=0, le=65535)
     """Rendezvous port; 0 = a free one (from `cluster.port_range` when set)."""
+    secret: str = Field("", validate_default=True)
+    """The job's rendezvous secret: a (re)join request must carry its HMAC or it is ignored. Empty =
+    a fresh random one per job; handed over with the config, never written to disk."""
+
+    _secret = field_validator("secret")(classmethod(lambda cls, v: _job_secret(v)))
+    _secret_out = field_serializer("secret", when_used="json")(lambda self, v, info: _redact(v, info))
     publish_mode: Literal["background", "sync"] = "background"
     """How the WeightStore copy (late joiners, fallbacks) is published: from a background thread
     (the next learner step does not wait for it; versions still reach the store in order) or

@@ -95,6 +95,9 @@ class Config(Section):
             problems.append("verifier.backend=vllm requires verifier.model_path")
         if self.buffer.dynamic_sampling.low >= self.buffer.dynamic_sampling.high:
             problems.append("buffer.dynamic_sampling.low must be < buffer.dynamic_sampling.high")
+        if self.learner.batch_timeout_s > self.buffer.max_wait_s:
+            problems.append(f"learner.batch_timeout_s={self.learner.batch_timeout_s} must be <= buffer.max_wait_s="
+                            f"{self.buffer.max_wait_s} (the buffer refuses longer waits)")
         if self.learner.clip_eps_low >= 1:
             problems.append("learner.clip_eps_low must be < 1")
         if self.learner.off_policy.low >= self.learner.off_policy.high:
@@ -133,4 +136,5 @@ class Config(Section):
         return Path(self.trainer.run_dir) / self.trainer.experiment_name
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=False)
+        """The config as written to the run directory: the job's secrets are redacted."""
+        return json.dumps(self.model_dump(mode="json", context={"redact_secrets": True}), indent=2, sort_keys=False)

@@ -219,12 +219,14 @@ def _restarts(cfg: Config) -> dict[str, Any]:
 
 
 def _create_buffer(cfg: Config, run_dir: Path) -> ActorHandle:
+    from asyncrl.replay.bounds import model_vocab_size
     from asyncrl.replay.host import BufferHost
 
     state_dir = run_dir / "state"
     state_dir.mkdir(exist_ok=True)
     return BufferHost.options(num_cpus=0, resources=cfg.cluster.resources.get("buffer"), **_restarts(cfg)).remote(
-        cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range)
+        cfg.buffer.model_dump_json(), cfg.data.rollout_batch_size, str(state_dir), cfg.cluster.port_range,
+        model_vocab_size(cfg.model.path))
 
 
 def _create_coordinator(cfg: Config, run_dir: Path, rows: Any, cursor: dict[str, Any] | None) -> tuple[Any, ActorHandle]:

@@ -69,11 +69,12 @@ class BatchFeed:
     """Rank 0's connection to the buffer: fetched groups are held (frame + decoded group) under an id
     until the driver names the ones of the step (`take`); the rest are dropped (duplicates)."""
 
-    def __init__(self, address: str, curve: Any = None, *, max_frame_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, address: str, curve: Any = None, *, secret: str | None = None,
+                 max_frame_bytes: int = 256 * 2**20) -> None:
         from asyncrl.replay import BufferClient
 
         self.address = address
-        self.client = BufferClient(address, curve, actor_id="learner", max_frame_bytes=max_frame_bytes)
+        self.client = BufferClient(address, curve, secret=secret, actor_id="learner", max_frame_bytes=max_frame_bytes)
         self._ids = itertools.count()
         self._held: dict[int, tuple[bytes, Group]] = {}
         self._unreported: list[int] = []

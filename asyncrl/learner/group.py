@@ -95,6 +95,7 @@ class LearnerActor:
                 self.feed.close()
             cfg = self.worker.cfg
             self.feed = BatchFeed(address, cfg.buffer.curve if cfg.buffer.curve.enable else None,
+                                  secret=cfg.buffer.secret if cfg.buffer.auth else None,
                                   max_frame_bytes=int(cfg.buffer.max_frame_mb * 2**20))
         return self.feed.fetch(num_groups, version, timeout_s)
 

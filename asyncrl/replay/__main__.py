@@ -10,6 +10,7 @@ SIGINT/SIGTERM. Uses `cfg.buffer` and B = `cfg.data.rollout_batch_size` (or --ba
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -30,11 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--snapshot-on-exit", default=None, help="snapshot to write at shutdown")
     serve.add_argument("--log", default=None, help="durable log file (acknowledged groups survive a crash)")
     serve.add_argument("--recover", action="store_true", help="rebuild the state from --log before serving")
+    serve.add_argument("--secret-file", default=None, help="write the buffer's secret (clients sign requests with it) to "
+                       "this new file, readable by this user only; ASYNCRL_BUFFER_SECRET sets the secret instead")
     args = parser.parse_args(argv)
     cfg = config_from_args(args, require_files=False)
 
     from asyncrl.replay.server import ReplayBufferServer
 
+    secret = os.environ.get("ASYNCRL_BUFFER_SECRET")  # the environment: never on a command line others can read
+    if secret:
+        cfg.buffer.secret = secret
+    if args.secret_file:  # created readable by this user only
+        fd = os.open(args.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(cfg.buffer.secret)
     server = ReplayBufferServer(cfg.buffer, batch_size=args.batch_size or cfg.data.rollout_batch_size,
                                 log_path=args.log, recover=args.recover)
     if args.restore:

@@ -10,6 +10,9 @@ again with the same ticket, and the server answers ``duplicate`` instead of stor
 without a ticket are not deduplicated). A batch reply arriving after its request timed out is kept
 and returned by the next `get_batch`, so no delivered group is lost on the client side either.
 
+Authentication: with the job's `secret` (`cfg.buffer.secret`; the buffer's default is to require
+it) every request carries the HMAC of its frames as a last frame (asyncrl.replay.auth).
+
 Reconnection: a buffer process that dies is restarted on the same address (asyncrl.replay.host);
 ZeroMQ reconnects by itself, and a request whose connection dropped while it waited for its reply
 is sent again at once (`BufferDisconnected`, seen on the socket's monitor) instead of waiting for
@@ -41,17 +44,16 @@ from asyncrl.protocol import (
     ProtocolError,
     Push,
     PushReply,
-    RestoreRequest,
-    SetVersion,
-    SnapshotRequest,
     StatsReply,
     StatsRequest,
     TicketRelease,
     TicketReply,
     TicketRequest,
+    VersionReached,
     decode,
     encode,
 )
+from asyncrl.replay.auth import sign
 
 
 class BufferFull(RuntimeError):
@@ -64,6 +66,11 @@ class BufferRequestError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+class BufferDiskFull(BufferRequestError):
+    """The buffer's durable log is on a full disk: the push was not stored (retry after space is
+    freed; admission pauses meanwhile). The server's `buffer/disk_full` gauge says the same."""
 
 
 class BufferTimeout(TimeoutError):
@@ -84,12 +91,13 @@ def _close_sockets(sockets: list[zmq.Socket], lock: threading.Lock, ctx: zmq.Con
 
 
 class BufferClient:
-    def __init__(self, address: str, curve: CurveConfig | None = None, *, actor_id: str = "",
-                 hwm: int = 64, reply_grace_s: float = 30.0, max_frame_bytes: int = 256 * 2**20,
-                 reconnect_s: float = 120.0) -> None:
-        """`reply_grace_s`: extra time a call waits beyond its own timeout for the server to answer;
+    def __init__(self, address: str, curve: CurveConfig | None = None, *, secret: str | None = None,
+                 actor_id: str = "", hwm: int = 64, reply_grace_s: float = 30.0,
+                 max_frame_bytes: int = 256 * 2**20, reconnect_s: float = 120.0) -> None:
+        """`secret`: the job's buffer secret (requests are signed with it; None = unsigned);
+        `reply_grace_s`: extra time a call waits beyond its own timeout for the server to answer;
         `reconnect_s`: how long requests are resent while the server is restarting."""
-        self.address, self.curve = address, curve
+        self.address, self.curve, self.secret = address, curve, secret
         self.actor_id = actor_id or f"pid{os.getpid()}"
         self.hwm, self.reply_grace_s, self.max_frame_bytes = hwm, reply_grace_s, max_frame_bytes
         self.reconnect_s = reconnect_s
@@ -167,7 +175,7 @@ class BufferClient:
         self._disconnected()  # a drop before this request does not concern it
         rid = struct.pack("<Q", next(self._rids))
         try:
-            sock.send_multipart([rid, encode(msg), *extra], copy=len(extra) == 0)
+            sock.send_multipart(self.frames([rid, encode(msg), *extra]), copy=len(extra) == 0)
         except zmq.Again:
             raise BufferTimeout(f"could not send to {self.address} (queue full)") from None
         deadline = time.monotonic() + wait_s + self.reply_grace_s
@@ -185,7 +193,7 @@ class BufferClient:
             reply = decode(frames[1].buffer)
             if frames[0].bytes == rid:
                 if isinstance(reply, ErrorReply):
-                    raise BufferRequestError(reply.code, reply.message)
+                    raise (BufferDiskFull if reply.code == "disk_full" else BufferRequestError)(reply.code, reply.message)
                 return reply, frames[2:]
             self._late(sock, reply, frames[2:])
 
@@ -194,7 +202,11 @@ class BufferClient:
         if isinstance(reply, BatchReply):
             self._stash.extend(f.bytes for f in extra)
         elif isinstance(reply, TicketReply) and reply.ticket >= 0:
-            sock.send_multipart([struct.pack("<Q", next(self._rids)), encode(TicketRelease(reply.ticket))])
+            sock.send_multipart(self.frames([struct.pack("<Q", next(self._rids)), encode(TicketRelease(reply.ticket))]))
+
+    def frames(self, frames: list[Any]) -> list[Any]:
+        """A request's frames as sent: signed with the job's secret when the client has it."""
+        return sign(frames, self.secret) if self.secret is not None else frames
 
     # ---------------------------------------------------------------------------- producer API
     def acquire_ticket(self, timeout_s: float = 0.0) -> int | None:
@@ -318,22 +330,15 @@ class BufferClient:
         return out
 
     def set_version(self, version: int) -> None:
-        self._resending(lambda: self._request(SetVersion(int(version))))
+        """The learner reached `version` (forward only; the job sets any other version through the
+        `BufferHost` actor)."""
+        self._resending(lambda: self._request(VersionReached(int(version))))
 
     # ---------------------------------------------------------------------------- admin
     def stats(self) -> dict[str, float]:
         reply, _ = self._resending(lambda: self._request(StatsRequest()))
         assert isinstance(reply, StatsReply)
         return reply.stats
-
-    def snapshot(self, path: str, timeout_s: float = 300.0) -> str:
-        """Server-side atomic snapshot to `path` (a path on the server's file system)."""
-        reply, _ = self._request(SnapshotRequest(str(path)), wait_s=timeout_s)
-        return reply.detail
-
-    def restore(self, path: str, timeout_s: float = 300.0) -> str:
-        reply, _ = self._request(RestoreRequest(str(path)), wait_s=timeout_s)
-        return reply.detail
 
     def close(self) -> None:
         """Close every socket and the context (idempotent; also done when the client is collected)."""

@@ -9,7 +9,10 @@ driver's node): with a `state_dir`, every acknowledged change goes to the durabl
 `state_dir/buffer.address` after the first start. A restarted incarnation rebuilds its state from
 the log and binds the same port at once, so the address every client was given stays valid: ZeroMQ
 clients reconnect by themselves (`BufferClient` resends what was in flight), control-plane calls
-are retried by Ray. `buffer/restarts` and `buffer/recovered_groups` count what happened. A fresh
+are retried by Ray. Snapshots are written only inside the run directory (`state_dir`'s parent);
+the socket refuses snapshot, restore and version requests (only these actor methods do them).
+If the socket thread stops, `stats` and `set_version` (called every step) raise `BufferUnhealthy`
+naming the cause, so the job fails loudly instead of waiting on a buffer that no longer answers. `buffer/restarts` and `buffer/recovered_groups` count what happened. A fresh
 (not restarted) host starts with an empty log: resuming a run restores the checkpoint's snapshot.
 """
 
@@ -31,7 +34,8 @@ LOG_FILE = "buffer.wal"
 
 @ray.remote(num_cpus=0)
 class BufferHost:
-    def __init__(self, cfg_json: str, batch_size: int, state_dir: str = "", port_range: str | None = None):
+    def __init__(self, cfg_json: str, batch_size: int, state_dir: str = "", port_range: str | None = None,
+                 vocab_size: int | None = None):
         from asyncrl.logs import redirect_output
         from asyncrl.replay.server import ReplayBufferServer
 
@@ -43,7 +47,9 @@ class BufferHost:
         if pinned:
             cfg = cfg.model_copy(update={"port": pinned})
         log = str(self.state_dir / LOG_FILE) if self.state_dir is not None else None
-        self.server = ReplayBufferServer(cfg, batch_size, port_range, log_path=log, recover=self.restarted)
+        self.server = ReplayBufferServer(cfg, batch_size, port_range, log_path=log, recover=self.restarted,
+                                         vocab_size=vocab_size,
+                                         run_dir=str(self.state_dir.parent) if self.state_dir is not None else None)
         self.address: str | None = None
         if self.state_dir is not None:
             (self.state_dir / "buffer.pid").write_text(str(os.getpid()))
@@ -81,10 +87,18 @@ class BufferHost:
         return {"host": ray.util.get_node_ip_address(), "pid": os.getpid(), "address": self.address,
                 "restarted": self.restarted}
 
+    def _healthy(self) -> None:
+        from asyncrl.replay.server import BufferUnhealthy
+
+        if not self.server.healthy():
+            raise BufferUnhealthy(self.server.failure())
+
     def stats(self) -> dict[str, Any]:
+        self._healthy()
         return self.server.stats()
 
     def set_version(self, version: int) -> int:
+        self._healthy()
         return self.server.set_version(version)
 
     def take_dropped(self) -> list[tuple[int, float]]:

@@ -61,6 +61,7 @@ class StoredGroup:
     prompt_index: int = -1  # the coordinator's draw index (metadata["prompt_index"]), -1 if absent
     length: float = 0.0  # mean policy tokens per sample (length statistics of dropped vs trained)
     difficulty: str = ""  # `asyncrl.replay.mix.difficulty_bucket` (generated vs delivered counts)
+    uid: str = ""  # the group's prompt uid (names it in reports of a damaged log record)
 
 
 @dataclass(slots=True)
@@ -74,7 +75,12 @@ COUNTERS = ("ingested", "consumed", "dropped_stale", "dropped_filtered", "reject
             "rejected_full", "rejected_oversized", "rejected_schema", "rejected_unknown_ticket",
             "duplicates", "late_pushes", "untracked_pushes", "tickets_granted", "tickets_released",
             "tickets_expired", "tickets_timed_out", "reply_failures", "requeued", "filter_missing_key",
-            "internal_errors", "restarts", "recovered_groups", "dropped_stale_at_ingest")
+            "internal_errors", "restarts", "recovered_groups", "dropped_stale_at_ingest", "loop_errors",
+            "log_damaged_records", "log_lost_groups", "log_failures")
+# Requests and groups refused by a bound or a rule, by reason (`buffer/refused/<reason>`).
+REFUSALS = ("admin", "timeout", "num_groups", "ahead", "version", "ticket", "token_id", "logprob",
+            "unauthenticated", "busy", "disk_full")
+COUNTERS += tuple(f"refused/{r}" for r in REFUSALS)
 
 
 class BufferState:
@@ -104,6 +110,7 @@ class BufferState:
                                                 "age": deque(maxlen=2048)}
         self._started = time.time()
         self.last_stored: StoredGroup | None = None  # the group the latest `ingest` stored
+        self._undo: tuple[int, _Lease | None, bool, str] | None = None  # how to take `last_stored` back
         self.mutations = 0  # bumped by every change the durable log must record
         self._removed: list[int] = []  # seqs taken or dropped since the last durable record
         self.dropped_prompts: list[tuple[int, float]] = []  # (prompt index, length) of stale drops, not yet re-issued
@@ -186,11 +193,15 @@ class BufferState:
         if drop is None and (self.buffered >= self.capacity_groups or self.bytes + nbytes > self.capacity_bytes):
             self.counters["rejected_full"] += 1
             return "full"
+        lease, was_expired, how = None, False, "untracked_pushes"
         if ticket < 0:
             self.counters["untracked_pushes"] += 1
-        elif self.in_flight.pop(ticket, None) is None:
+        elif (lease := self.in_flight.pop(ticket, None)) is None:
+            was_expired, how = ticket in self._expired, "late_pushes"
             self._expired.discard(ticket)
             self.counters["late_pushes"] += 1
+        else:
+            how = ""
         self.mutations += 1
         index, length = _prompt_index(group), _group_length(group)
         difficulty = difficulty_bucket(group)
@@ -204,13 +215,36 @@ class BufferState:
                     self.dropped_prompts.append((index, length))
             return drop
         sg = StoredGroup(next(self._seq), group.min_version, group.max_version, blob, nbytes, now, ticket,
-                         index, length, difficulty)
+                         index, length, difficulty, group.prompt_uid)
         heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
         self.last_stored = sg
+        self._undo = (ticket, lease, was_expired, how)
         self.bytes += nbytes
         self.counters["ingested"] += 1
         self._ingest_times.append(now)
         return "stored"
+
+    def unstore(self, sg: StoredGroup) -> None:
+        """Takes back the group the latest `ingest` stored (its durable record could not be
+        written): the buffer is as if the push never arrived, its ticket in flight again."""
+        if sg is not self.last_stored or self._undo is None:
+            raise ValueError("only the group stored by the latest ingest can be taken back")
+        ticket, lease, was_expired, how = self._undo
+        self._heap.remove((sg.min_version, sg.seq, sg))
+        heapq.heapify(self._heap)
+        self.bytes -= sg.nbytes
+        self.counters["ingested"] -= 1
+        if how:
+            self.counters[how] -= 1
+        if lease is not None:
+            self.in_flight[ticket] = lease
+        if was_expired:
+            self._expired.add(ticket)
+        self.mix.add("generated", sg.difficulty, sg.length, sign=-1)
+        if self._ingest_times:
+            self._ingest_times.pop()
+        self.last_stored, self._undo = None, None
+        self.mutations += 1
 
     def _keep(self, group: Group) -> bool:
         enable, key, low, high = self.filter
@@ -356,21 +390,29 @@ class BufferState:
     def _push_stored(self, meta: dict[str, Any], blob: Any, seq: int) -> None:
         sg = StoredGroup(seq, int(meta["min_version"]), int(meta["max_version"]), blob, len(blob),
                          float(meta["stored_at"]), int(meta["ticket"]), int(meta.get("prompt_index", -1)),
-                         float(meta.get("length", 0.0)), str(meta.get("difficulty", "")))
+                         float(meta.get("length", 0.0)), str(meta.get("difficulty", "")), str(meta.get("uid", "")))
         heapq.heappush(self._heap, (sg.min_version, sg.seq, sg))
         self.bytes += sg.nbytes
 
     # ------------------------------------------------------------------------------ durable log
     def durable_header(self) -> dict[str, Any]:
         """What the durable log records after every change (asyncrl.replay.wal): the bookkeeping
-        without the groups, plus the seqs removed since the previous call (then forgotten)."""
-        removed, self._removed = self._removed, []
+        without the groups, the seqs of every live group (`live`: a damaged earlier record cannot
+        resurrect a consumed group) and the seqs removed since the last logged header (kept until
+        `logged` says the record was written)."""
         return {"version": self.version, "consumed": self.consumed, "next_ticket": self.next_ticket,
-                "next_seq": self._next_seq(), "removed": removed,
+                "next_seq": self._next_seq(), "removed": list(self._removed),
+                "live": sorted(sg.seq for _, _, sg in self._heap),
                 "leases": [[t, lease.granted_at, lease.expires_at, lease.actor_id] for t, lease in self.in_flight.items()],
                 "expired": sorted(self._expired), "counters": dict(self.counters),
                 "staleness_hist": {str(k): v for k, v in self.staleness_hist.items()},
                 "dropped_prompts": [list(d) for d in self.dropped_prompts], "mix": self.mix.state()}
+
+    def logged(self, header: dict[str, Any]) -> None:
+        """`header` (from `durable_header`) is in the log: forget the removals it recorded."""
+        n = len(header["removed"])
+        if self._removed[:n] == header["removed"]:
+            del self._removed[:n]
 
     def group_meta(self, sg: StoredGroup) -> dict[str, Any]:
         return {**_meta(sg), "seq": sg.seq}
@@ -407,7 +449,7 @@ class BufferState:
 def _meta(g: StoredGroup) -> dict[str, Any]:
     return {"min_version": g.min_version, "max_version": g.max_version, "nbytes": g.nbytes,
             "stored_at": g.stored_at, "ticket": g.ticket, "prompt_index": g.prompt_index, "length": g.length,
-            "difficulty": g.difficulty}
+            "difficulty": g.difficulty, "uid": g.uid}
 
 
 def _prompt_index(group: Group) -> int:

@@ -40,7 +40,8 @@ def synthetic_group(rng: np.random.Generator, *, prompt_uid: str, version: int, 
 
 
 def produce(address: str, producer_id: str, num_groups: int, seed: int, deadline_s: float = 60.0,
-            n: int = 2, tokens: int = 64, gen_delay_s: float = 0.0) -> list[tuple[str, str, int]]:
+            secret: str | None = None, n: int = 2, tokens: int = 64,
+            gen_delay_s: float = 0.0) -> list[tuple[str, str, int]]:
     """A producer process: for each group take a ticket, stamp the group with the learner version
     reported with the ticket (as an actor holding those weights would), optionally 'generate' for
     gen_delay_s, push. Returns [(prompt_uid, push status, version)]."""
@@ -49,7 +50,7 @@ def produce(address: str, producer_id: str, num_groups: int, seed: int, deadline
     rng = np.random.default_rng(seed)
     out: list[tuple[str, str, int]] = []
     end = time.monotonic() + deadline_s
-    with BufferClient(address, actor_id=producer_id, reply_grace_s=10.0) as client:
+    with BufferClient(address, secret=secret, actor_id=producer_id, reply_grace_s=10.0) as client:
         ticket = None
         while len(out) < num_groups and time.monotonic() < end:
             if ticket is None:

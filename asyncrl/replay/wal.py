@@ -1,8 +1,11 @@
 """The replay buffer's durable log: acknowledged groups survive the buffer process's death.
 
 One append-only file on the buffer host's local disk. Every record is
-``magic (4) | kind (1) | length (u32) | crc32 (u32) | payload`` and the CRC covers kind + payload, so
-a torn or corrupted tail is detected and cut off at the last whole record on replay.
+``magic (4) | kind (1) | length (u32) | crc32 (u32) | payload`` and the CRC covers kind + payload.
+Records are self-delimiting: a damaged record (a flipped bit, a torn write in the middle) is
+reported by name at replay (`DamagedRecord`: offset, length, kind, the group's seq and prompt uid
+when its header still reads) and replay resynchronises at the next record whose magic and CRC
+check, so every intact record after it is kept; only a damaged *tail* is cut off.
 
 Records
 - ``STATE``: the buffer's bookkeeping (`BufferState.durable_header()`: version, consumed, ticket
@@ -19,7 +22,18 @@ Guarantees
   cache outlives the process). `fsync="always"` also survives the host's crash (fsync before the
   acknowledgement); `"interval"` bounds the loss on a host crash to `fsync_interval_s`; `"never"`
   leaves it to the OS.
-- Replay = the newest state header + every group record whose sequence number was not removed.
+- Replay = the newest state header + the group records whose sequence numbers it lists as live
+  (`live`; logs without it: every group record not removed since). A live group whose record
+  was damaged is reported lost by seq and uid; a damaged state record loses nothing (the next
+  header lists the live groups again).
+- A full disk (ENOSPC, EDQUOT, EFBIG) is `LogFull`, a named condition: the partial record is cut
+  off again (truncating needs no space), nothing of it reaches a replay, and the caller refuses
+  what it could not log. A compaction that cannot write its new file keeps the old log (still
+  whole) and says how much space it needs; so does a recovery on a full disk, which then serves
+  what it recovered without compacting (`LogFull.needed_bytes`).
+- Group commit: `append_*` only write; `commit()` makes everything appended since durable with
+  one fsync (`fsync="always"`), so the server acknowledges the pushes that arrived together
+  after one fsync.
 - The log does not grow without bound: it is rewritten (atomically: temporary file, fsync, rename)
   holding only the live groups once it is larger than ``max(compact_min_bytes, 2 x live bytes)``,
   and emptied down to one state record whenever the buffer is drained.
@@ -27,21 +41,56 @@ Guarantees
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import struct
 import time
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"AWL1"
 HEAD = struct.Struct("<4sBII")
 META = struct.Struct("<I")
 STATE, GROUP = 1, 2
 FSYNC_POLICIES = ("always", "interval", "never")
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# The system calls that write the log, named so a test can stand a full disk in front of them.
+_writev = os.writev
+_write = os.write
+
+
+class LogFull(OSError):
+    """The durable log cannot be written: the disk (or quota, or file size limit) is full.
+    `needed_bytes`: what the failed write or compaction needed."""
+
+    def __init__(self, path: Path, needed_bytes: int, cause: OSError) -> None:
+        super().__init__(cause.errno, f"durable log {path}: disk full ({os.strerror(cause.errno or 0)}); "
+                                      f"{needed_bytes} bytes needed")
+        self.needed_bytes = needed_bytes
+
+
+@dataclass
+class DamagedRecord:
+    """A record that failed its checks at replay (skipped; the records after it were kept)."""
+
+    offset: int
+    length: int
+    kind: int
+    seq: int | None = None
+    uid: str = ""
+
+    def __str__(self) -> str:
+        what = f"group seq {self.seq} ({self.uid or 'uid unknown'})" if self.seq is not None else (
+            "state record" if self.kind == STATE else "record of unknown kind")
+        return f"damaged record at offset {self.offset} ({self.length} bytes): {what}"
 
 
 class BufferLog:
@@ -57,6 +106,9 @@ class BufferLog:
         self._last_sync = time.monotonic()
         self._dirty = False
         self.torn_bytes = 0  # cut off the tail by the last replay
+        self.damaged: list[DamagedRecord] = []  # skipped by the last replay
+        self.lost: list[tuple[int, str]] = []  # (seq, uid) of live groups whose record was damaged
+        self.fsyncs = 0  # commits that reached the disk (group commit: fewer than acknowledged pushes)
 
     # ------------------------------------------------------------------------------ writing
     @staticmethod
@@ -80,13 +132,20 @@ class BufferLog:
         self._write(self._group_parts(header, meta, blob))
 
     def _write(self, parts: list[Any]) -> None:
-        """One `writev` per record (O_APPEND: records never interleave); finishes a short write."""
+        """One `writev` per record (O_APPEND: records never interleave); finishes a short write.
+        A full disk raises `LogFull` after cutting the partial record off again."""
         views = [memoryview(p).cast("B") for p in parts]
         size = sum(len(v) for v in views)
-        left = size - os.writev(self._fd, views)
-        while left > 0:
-            rest = b"".join(bytes(v) for v in views)[size - left:]
-            left -= os.write(self._fd, rest)
+        try:
+            left = size - _writev(self._fd, views)
+            while left > 0:
+                rest = b"".join(bytes(v) for v in views)[size - left:]
+                left -= _write(self._fd, rest)
+        except OSError as exc:
+            os.ftruncate(self._fd, self.size)  # the log ends at its last whole record again
+            if exc.errno in FULL_ERRNOS:
+                raise LogFull(self.path, size, exc) from exc
+            raise
         self.size += size
         self._dirty = True
 
@@ -97,6 +156,7 @@ class BufferLog:
         now = time.monotonic()
         if self.fsync == "always" or (self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
             os.fsync(self._fd)
+            self.fsyncs += 1
             self._last_sync = now
             self._dirty = False
         elif self.fsync == "never":
@@ -110,13 +170,24 @@ class BufferLog:
     def rewrite(self, header: dict[str, Any], groups: Iterable[tuple[dict[str, Any], Any]]) -> None:
         """Replaces the log by one state record + the live groups (atomic rename)."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(self._record(STATE, msgpack.packb(header)))
-            for meta, blob in groups:
-                for part in self._group_parts({}, meta, blob):
-                    f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
+        parts = [self._record(STATE, msgpack.packb(header))]
+        for meta, blob in groups:
+            parts += self._group_parts({}, meta, blob)
+        needed = sum(len(memoryview(p).cast("B")) for p in parts)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while len(view):
+                    view = view[_write(fd, view):]
+            os.fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(tmp)
+            if exc.errno in FULL_ERRNOS:
+                raise LogFull(self.path, needed, exc) from exc
+            raise
+        os.close(fd)
         os.replace(tmp, self.path)
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
@@ -133,34 +204,87 @@ class BufferLog:
 
     # ------------------------------------------------------------------------------ replay
     def replay(self) -> tuple[dict[str, Any] | None, list[tuple[dict[str, Any], bytes]]]:
-        """(newest state header or None, live groups as (meta, frame) in log order). A torn or
-        corrupted tail is cut off (its size is in `torn_bytes`)."""
+        """(newest state header or None, live groups as (meta, frame) in log order). Damaged
+        records are skipped and listed in `damaged`, live groups lost with them in `lost`, both
+        logged as warnings; a damaged or torn tail is cut off (its size is in `torn_bytes`)."""
         data = Path(self.path).read_bytes()
         header: dict[str, Any] | None = None
         groups: dict[int, tuple[dict[str, Any], bytes]] = {}
-        off = 0
+        damaged_seqs: dict[int, str] = {}
+        self.damaged, self.lost = [], []
+        off, good_end = 0, 0
         while off + HEAD.size <= len(data):
-            magic, kind, length, crc = HEAD.unpack_from(data, off)
-            end = off + HEAD.size + length
-            if magic != MAGIC or kind not in (STATE, GROUP) or end > len(data):
-                break
-            payload = memoryview(data)[off + HEAD.size:end]
-            if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
-                break
+            rec = self._read_record(data, off)
+            if rec is None:  # damaged: report it, then resynchronise at the next record that checks
+                nxt = self._resync(data, off + 1)
+                bad = self._describe_damage(data, off, (nxt if nxt is not None else len(data)) - off)
+                if nxt is None:
+                    break  # a damaged tail: cut off below
+                self.damaged.append(bad)
+                if bad.seq is not None:
+                    damaged_seqs[bad.seq] = bad.uid
+                off = nxt
+                continue
+            kind, payload, end = rec
             if kind == STATE:
                 state = msgpack.unpackb(payload)
             else:
                 (n,) = META.unpack_from(payload, 0)
-                rec = msgpack.unpackb(payload[META.size:META.size + n])
-                state, meta = rec["state"], rec["group"]
+                unpacked = msgpack.unpackb(payload[META.size:META.size + n])
+                state, meta = unpacked["state"], unpacked["group"]
                 groups[int(meta["seq"])] = (meta, bytes(payload[META.size + n:]))
             if state:  # a compacted log's group records carry no state
                 for seq in state.get("removed", ()):
                     groups.pop(int(seq), None)
                 header = state
-            off = end
-        if off < len(data):
-            self.torn_bytes = len(data) - off
-            os.ftruncate(self._fd, off)
-            self.size = off
+            off = good_end = end
+        if header is not None and "live" in header:
+            live = [int(seq) for seq in header["live"]]
+            self.lost = [(seq, damaged_seqs.get(seq, "")) for seq in live if seq not in groups]
+            keep = set(live)
+            groups = {seq: g for seq, g in groups.items() if seq in keep}
+        for bad in self.damaged:
+            log.warning("buffer log %s: %s; the records after it were kept", self.path, bad)
+        for seq, uid in self.lost:
+            log.warning("buffer log %s: group seq %d (%s) was lost with its damaged record", self.path, seq,
+                        uid or "uid unknown")
+        if good_end < len(data):
+            self.torn_bytes = len(data) - good_end
+            os.ftruncate(self._fd, good_end)
+            self.size = good_end
         return header, list(groups.values())
+
+    @staticmethod
+    def _read_record(data: bytes, off: int) -> tuple[int, memoryview, int] | None:
+        """(kind, payload, end) of the record at `off` if its magic, kind, length and CRC check."""
+        magic, kind, length, crc = HEAD.unpack_from(data, off)
+        end = off + HEAD.size + length
+        if magic != MAGIC or kind not in (STATE, GROUP) or end > len(data):
+            return None
+        payload = memoryview(data)[off + HEAD.size:end]
+        if zlib.crc32(payload, zlib.crc32(bytes([kind]))) != crc:
+            return None
+        return kind, payload, end
+
+    def _resync(self, data: bytes, start: int) -> int | None:
+        """Offset of the next record (from `start`) whose checks pass, None if there is none."""
+        at = data.find(MAGIC, start)
+        while at >= 0 and at + HEAD.size <= len(data):
+            if self._read_record(data, at) is not None:
+                return at
+            at = data.find(MAGIC, at + 1)
+        return None
+
+    @staticmethod
+    def _describe_damage(data: bytes, off: int, span: int) -> DamagedRecord:
+        """What a damaged record was, as far as its head and group metadata still read."""
+        _, kind, length, _ = HEAD.unpack_from(data, off)
+        bad = DamagedRecord(off, span, kind)
+        if kind == GROUP:
+            try:
+                (n,) = META.unpack_from(data, off + HEAD.size)
+                meta = msgpack.unpackb(data[off + HEAD.size + META.size:off + HEAD.size + META.size + n])["group"]
+                bad.seq, bad.uid = int(meta["seq"]), str(meta.get("uid", ""))
+            except Exception:  # noqa: BLE001 - the metadata itself is damaged: offset and length only
+                pass
+        return bad

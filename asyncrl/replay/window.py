@@ -36,6 +36,7 @@ from asyncrl.protocol import ErrorReply, Group, Push, PushReply, decode, encode
 from asyncrl.replay.client import (
     BufferClient,
     BufferDisconnected,
+    BufferDiskFull,
     BufferFull,
     BufferRequestError,
     BufferTimeout,
@@ -155,7 +156,7 @@ class PushWindow:
             self._by_rid[p.rid] = p
             msg = Push(-1 if p.ticket is None else p.ticket, p.want_ticket)
             try:
-                sock.send_multipart([p.rid, encode(msg), p.blob], copy=False)
+                sock.send_multipart(self.client.frames([p.rid, encode(msg), p.blob]), copy=False)
             except zmq.Again:
                 p.not_before = now + 0.05  # the socket's queue is full: try again shortly
                 continue
@@ -185,7 +186,7 @@ class PushWindow:
         doubling backoff (capped at 0.5 s) until `block_s`, counting only the current attempt's
         "full" (an earlier attempt's may still arrive after it was resent)."""
         if isinstance(reply, ErrorReply):
-            self._finish(p, error=BufferRequestError(reply.code, reply.message))
+            self._finish(p, error=(BufferDiskFull if reply.code == "disk_full" else BufferRequestError)(reply.code, reply.message))
         elif not isinstance(reply, PushReply):
             self._finish(p, error=RuntimeError(f"push answered with a {type(reply).__name__}"))
         elif reply.status != "full":

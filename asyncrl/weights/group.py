@@ -12,12 +12,24 @@ put into every process's environment by the job's runtime_env before it starts, 
 it once, at the process's first communicator, which on a learner rank is DeepSpeed's
 `init_distributed`); the weight group refuses to build when two members disagree
 (`NcclEnvMismatch`), because a mismatch breaks the learner -> engine P2P connect.
+
+Who may talk to the rendezvous: the master store listens only on the configured interface
+(`learner.weights.host`; torch's own master listens on every interface, so asyncrl binds the
+socket itself and hands it over); a member outside the current plan asks to (re)join with a
+request signed with the job's secret (`join_request` / `join_member`: HMAC-SHA256 of the request's
+number and member id), and the sender ignores any other request without waiting for it. The
+store itself has no authentication: a local process that reaches its port can still write keys
+(docs/security.md says what that allows).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +47,49 @@ log = logging.getLogger(__name__)
 
 def make_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
     # wait_for_workers=False: the master must not block until a fixed world of clients joins.
+    # (A master made here listens on every interface: the sender uses `master_store`.)
     return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def master_store(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, socket.socket]:
+    """The store server listening on `host` only: the socket is bound here and handed over
+    (torch's own master binds every interface). The store uses that socket without owning it:
+    the caller keeps it open for as long as the store lives."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+        store = dist.TCPStore(host, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    return store, sock
+
+
+def _join_mac(secret: str, n: int, member: str) -> str:
+    return hmac.new(secret.encode(), f"{n}:{member}".encode(), hashlib.sha256).hexdigest()
+
+
+def join_request(secret: str | None, n: int, member: str) -> str:
+    """The value of join request number `n` for `member`, signed with the job's secret."""
+    return member if secret is None else json.dumps({"member": member, "mac": _join_mac(secret, n, member)})
+
+
+def join_member(secret: str | None, n: int, value: bytes) -> str | None:
+    """The member asking in join request `n`, or None when the request is not signed with `secret`
+    (without a secret, any request is taken, as plain-torch tools send them)."""
+    text = value.decode(errors="replace")
+    if secret is None:
+        return text
+    try:
+        req = json.loads(text)
+        member, mac = str(req["member"]), str(req["mac"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    return member if hmac.compare_digest(mac, _join_mac(secret, n, member)) else None
 
 
 class CollectiveTimeout(RuntimeError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -33,6 +34,7 @@ from asyncrl.weights.group import (
     backstop_timeout,
     connect_group,
     group_store,
+    join_request,
     make_group,
     make_store,
     wait_work,
@@ -49,6 +51,7 @@ from asyncrl.weights.wire import (
 )
 
 log = logging.getLogger(__name__)
+SECRET_ENV = "ASYNCRL_WEIGHTS_SECRET"
 
 
 class ReceiveTimeout(RuntimeError):
@@ -81,8 +84,12 @@ class WeightReceiver:
     """One member of the weight group. `address` = "host:port" of the sender's store."""
 
     def __init__(self, address: str, member_id: str, timeout_s: float = 60.0,
-                 device: torch.device | str | None = None, hook: RoundHook | None = None) -> None:
-        """`hook`: watches every round from the inside (`RoundHook`; the default does nothing)."""
+                 device: torch.device | str | None = None, hook: RoundHook | None = None,
+                 secret: str | None = None) -> None:
+        """`hook`: watches every round from the inside (`RoundHook`; the default does nothing).
+        `secret`: the job's rendezvous secret, which signs a (re)join request (default: the
+        `ASYNCRL_WEIGHTS_SECRET` environment variable the rollout actor sets for its engine)."""
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
         host, port = address.rsplit(":", 1)
         self.member_id = member_id
         self.timeout_s = float(timeout_s)
@@ -158,8 +165,7 @@ class WeightReceiver:
             if self.member_id not in plan["members"] or self.store.check([f"{PREFIX}/g{g}/out/{self.member_id}"]):
                 if self._requested_gen < 0:
                     # first time outside: ask to rejoin, and let the caller catch up from the store now
-                    n = self.store.add(f"{PREFIX}/joinreq_n", 1)
-                    self.store.set(f"{PREFIX}/joinreq/{n}", self.member_id)
+                    self._ask_to_join()
                     self._requested_gen = g
                     return False
                 # a rejoin is pending: the sender takes us back at its next broadcast
@@ -179,6 +185,11 @@ class WeightReceiver:
             if self._connect(g, plan, deadline):
                 return True
             self.dead_generation = g
+
+    def _ask_to_join(self) -> None:
+        """Appends a (re)join request, signed with the job's secret."""
+        n = self.store.add(f"{PREFIX}/joinreq_n", 1)
+        self.store.set(f"{PREFIX}/joinreq/{n}", join_request(self.secret, n, self.member_id))
 
     def _connect(self, g: int, plan: dict[str, Any], deadline: float) -> bool:
         """Build generation g's group and its communicator (the first collective), heartbeating;

@@ -29,8 +29,9 @@ from asyncrl.weights.group import (
     backstop_timeout,
     connect_group,
     group_store,
+    join_member,
     make_group,
-    make_store,
+    master_store,
     resolve_backend,
     wait_work,
 )
@@ -89,13 +90,16 @@ class WeightSender:
             bucket_mb = min(bucket_mb, getattr(cfg, "gloo_bucket_mb", bucket_mb))
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = float(cfg.timeout_s)
-        # Receivers are told this process's node address (asyncrl.addresses), never a wildcard.
-        # (torch's master TCPStore listens on every interface whatever the host.)
+        # Receivers are told this process's node address (asyncrl.addresses), never a wildcard; the
+        # store listens on the configured interface only (loopback by default).
         bind, self.host = bind_and_advertise(cfg.host)
         ports = candidate_ports(port or getattr(cfg, "port", 0), port_range)
-        self.store = bind_first(ports, lambda p: make_store(bind, p, is_master=True, timeout_s=self.timeout_s),
-                                "weight rendezvous (learner.weights)", self.host)
+        self.store, self._listen_socket = bind_first(
+            ports, lambda p: master_store(bind, p, self.timeout_s), "weight rendezvous (learner.weights)", self.host)
         self.port = self.store.port
+        # the job's secret: (re)join requests must be signed with it (None: any request is taken)
+        self.secret: str | None = getattr(cfg, "secret", None) or None
+        self.rejected_joins = 0
         self.publish = publish
         self.store_name = store_name
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
@@ -160,9 +164,18 @@ class WeightSender:
         return ids
 
     def _absorb_join_requests(self) -> None:
+        """Takes the (re)join requests signed with the job's secret; others are ignored (counted in
+        `rejected_joins`, logged), so a stranger's request costs no wait."""
         n = self.store.add(f"{PREFIX}/joinreq_n", 0)
         for k in range(self._joinreq_seen + 1, n + 1):
-            member = self.store.get(f"{PREFIX}/joinreq/{k}").decode()
+            key = f"{PREFIX}/joinreq/{k}"
+            if not self.store.check([key]):  # counted but never written: nothing to take
+                continue
+            member = join_member(self.secret, k, self.store.get(key))
+            if member is None:
+                self.rejected_joins += 1
+                log.warning("weight sync: ignored join request %d: not signed with the job's secret", k)
+                continue
             if member not in self.members:
                 log.info("weight sync: member %s asked to (re)join", member)
                 self.members.append(member)

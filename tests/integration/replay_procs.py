@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncrl.replay.auth import new_secret
 from asyncrl.replay.synthetic import synthetic_group
+
+SECRET = new_secret()  # the buffer processes' secret (handed over in their environment, as a job would)
 
 
 def indexed_group(rng: np.random.Generator, index: int, version: int = 0, tokens: int = 16, n: int = 2):
@@ -27,7 +31,8 @@ def start_buffer_process(tmp: Path, port: int, *, recover: bool, tag: str, batch
     cmd = [sys.executable, "-m", "asyncrl.replay", "serve", "--batch-size", str(batch_size),
            "--address-file", str(addr_file), "--log", str(tmp / "buffer.wal"), "buffer.max_staleness=1",
            f"buffer.port={port}", *(["--recover"] if recover else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "ASYNCRL_BUFFER_SECRET": SECRET})
     end = time.monotonic() + 60
     while not addr_file.exists() and time.monotonic() < end and proc.poll() is None:
         time.sleep(0.05)

@@ -22,9 +22,10 @@ ROWS = [{"problem": f"Compute {i} + 1.", "answer": str(i + 1)} for i in range(10
 CFG = DataConfig(shuffle=False).model_dump_json()
 
 
-def producer(c: Coordinator, lock: threading.Lock, address: str, name: str, stop: threading.Event) -> None:
+def producer(c: Coordinator, lock: threading.Lock, address: str, name: str, stop: threading.Event,
+             secret: str) -> None:
     rng = np.random.default_rng(hash(name) % 2**32)
-    with BufferClient(address, actor_id=name, reply_grace_s=10.0) as client:
+    with BufferClient(address, secret=secret, actor_id=name, reply_grace_s=10.0) as client:
         while not stop.is_set():
             ticket = client.acquire_ticket(0.2)
             if ticket is None:
@@ -41,13 +42,14 @@ def producer(c: Coordinator, lock: threading.Lock, address: str, name: str, stop
 
 
 def test_checkpoint_pair_is_consistent_while_rollouts_run(tmp_path: Path) -> None:
-    server = ReplayBufferServer(BufferConfig(max_staleness=10**6), batch_size=4)
+    buffer_cfg = BufferConfig(max_staleness=10**6)
+    server = ReplayBufferServer(buffer_cfg, batch_size=4)
     address = server.start()
     c, lock, stop = Coordinator(ROWS, CFG), threading.Lock(), threading.Event()
-    threads = [threading.Thread(target=producer, args=(c, lock, address, f"r{i}", stop)) for i in range(3)]
+    threads = [threading.Thread(target=producer, args=(c, lock, address, f"r{i}", stop, buffer_cfg.secret)) for i in range(3)]
     for t in threads:
         t.start()
-    learner = BufferClient(address, actor_id="learner")
+    learner = BufferClient(address, secret=buffer_cfg.secret, actor_id="learner")
     trained: list[int] = []
     try:
         for _ in range(5):  # learner steps before the checkpoint

@@ -32,8 +32,8 @@ def test_two_ranks_train_fetched_batch_without_driver_bytes(tmp_path) -> None:
     groups = synthetic_groups(3, 4, 99, (3, 9), (4, 14), seed=5)
     for i, g in enumerate(groups):
         g.metadata["prompt_index"] = i
-    server = ReplayBufferServer(BufferConfig(max_staleness=1), batch_size=3)
-    producer = BufferClient(server.start(), actor_id="rollout-0", reply_grace_s=10.0)
+    server = ReplayBufferServer(BufferConfig(max_staleness=1, secret=cfg.buffer.secret), batch_size=3)
+    producer = BufferClient(server.start(), secret=cfg.buffer.secret, actor_id="rollout-0", reply_grace_s=10.0)
     ray.init(num_cpus=4, include_dashboard=False, namespace=f"test-feed-{uuid.uuid4().hex[:8]}", log_to_driver=False)
     learner = None
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from replay_procs import indexed_group, start_buffer_process
+from replay_procs import SECRET, indexed_group, start_buffer_process
 
 from asyncrl.replay import BufferClient
 
@@ -33,8 +33,8 @@ def start(tmp: Path, port: int, *, recover: bool, tag: str):
 def test_sigkilled_buffer_restarts_on_same_port_and_loses_nothing(tmp_path: Path) -> None:
     proc, address = start(tmp_path, 0, recover=False, tag="a")
     port = int(address.rsplit(":", 1)[1])
-    producer = BufferClient(address, actor_id="rollout-0", reply_grace_s=20.0)
-    learner = BufferClient(address, actor_id="learner", reply_grace_s=20.0)
+    producer = BufferClient(address, secret=SECRET, actor_id="rollout-0", reply_grace_s=20.0)
+    learner = BufferClient(address, secret=SECRET, actor_id="learner", reply_grace_s=20.0)
     try:
         tickets = [producer.acquire_ticket(1.0) for _ in range(4)]  # limit (0+1+1)*2 = 4
         for i, t in enumerate(tickets[:3]):

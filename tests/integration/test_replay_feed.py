@@ -26,9 +26,10 @@ def group(index: int, version: int):
 
 
 def test_feed_fetch_take_and_prefetch() -> None:
-    server = ReplayBufferServer(BufferConfig(max_staleness=1), batch_size=2)
-    producer = BufferClient(server.start(), actor_id="rollout-0", reply_grace_s=5.0)
-    feed = BatchFeed(server.address)
+    cfg = BufferConfig(max_staleness=1)
+    server = ReplayBufferServer(cfg, batch_size=2)
+    producer = BufferClient(server.start(), secret=cfg.secret, actor_id="rollout-0", reply_grace_s=5.0)
+    feed = BatchFeed(server.address, secret=cfg.secret)
     try:
         groups = [group(i, 0) for i in range(2)]
         for g in groups:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from replay_procs import indexed_group, start_buffer_process
+from replay_procs import SECRET, indexed_group, start_buffer_process
 
 from asyncrl.config import BufferConfig
 from asyncrl.replay import BufferClient, PushWindow, ReplayBufferServer
@@ -28,9 +28,10 @@ def group(index: int, version: int = 0):
 
 
 def test_window_keeps_several_pushes_in_flight_and_acks_each() -> None:
-    server = ReplayBufferServer(BufferConfig(max_staleness=1), batch_size=8)
-    client = BufferClient(server.start(), actor_id="rollout-0", reply_grace_s=5.0)
-    learner = BufferClient(server.address, actor_id="learner", reply_grace_s=5.0)
+    cfg = BufferConfig(max_staleness=1)
+    server = ReplayBufferServer(cfg, batch_size=8)
+    client = BufferClient(server.start(), secret=cfg.secret, actor_id="rollout-0", reply_grace_s=5.0)
+    learner = BufferClient(server.address, secret=cfg.secret, actor_id="learner", reply_grace_s=5.0)
     window = PushWindow(client, window=4)
     try:
         tickets = [client.acquire_ticket(1.0) for _ in range(12)]
@@ -55,8 +56,8 @@ def start(tmp: Path, port: int, *, recover: bool, tag: str):
 def test_server_restart_mid_window_loses_and_doubles_nothing(tmp_path: Path) -> None:
     proc, address = start(tmp_path, 0, recover=False, tag="a")
     port = int(address.rsplit(":", 1)[1])
-    producer = BufferClient(address, actor_id="rollout-0", reply_grace_s=20.0)
-    learner = BufferClient(address, actor_id="learner", reply_grace_s=20.0)
+    producer = BufferClient(address, secret=SECRET, actor_id="rollout-0", reply_grace_s=20.0)
+    learner = BufferClient(address, secret=SECRET, actor_id="learner", reply_grace_s=20.0)
     window = PushWindow(producer, window=4, attempt_s=5.0)
     try:
         tickets = [producer.acquire_ticket(1.0) for _ in range(8)]  # limit (0+1+1)*4 = 8
