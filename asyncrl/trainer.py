@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
+from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop
 from asyncrl.job_checkpoint import write_job_checkpoint
 from asyncrl.job_commands import run_queued
 from asyncrl.logs import console
@@ -52,6 +53,8 @@ class Trainer:
         self.progress = Progress(step=step, version=version)
         self.learner_recovery = LearnerRecovery(cfg, topo, self.fleet, run_dir)
         self.services = ServiceWatch(cfg, topo)
+        self.failures = FailureWatch(self.fleet)  # reward / verifier failures said once, fatal ones stop the job
+        self.divergence = DivergenceWatch(cfg.learner.max_nonfinite_steps, run_dir / "checkpoints")
         self.lengths = GroupLengths()
         self.clock = StepClock()
         self.summary: dict[str, Any] = {}  # the evaluations before/after (summary.json)
@@ -86,6 +89,8 @@ class Trainer:
         while self.step < cfg.trainer.max_steps and not self.stop.requested and not self.stop_requested_by_ctl:
             try:
                 metrics = self.train_one_step()
+            except JobStop:
+                raise  # a named stop (asyncrl.failure_watch): nothing to recover
             except Exception as exc:  # noqa: BLE001 - a dead learner rank is recovered in the job if possible
                 if not self.learner_recovery.recover(exc, self.progress, self.logger):
                     raise
@@ -143,6 +148,7 @@ class Trainer:
         # Trained from here on: if the step fails before its row is logged, the error path logs it
         # (the learner's state includes it) and no checkpoint may list these prompts as pending.
         progress.mark_trained([m["prompt_index"] for m in metas])
+        self.divergence.observe(self.step + 1, learner_metrics)
         batch = batch_metrics(metas, lags, cfg.buffer.max_staleness)
         progress.pending_row = {**learner_metrics, **batch}
         progress.version = int(learner_metrics.get("train/version", self.version + 1))
@@ -177,8 +183,9 @@ class Trainer:
             left = deadline - time.time()
             if left <= 0 or self.stop.requested:
                 break
+            self.failures.check()  # a broken reward function stops the job now, not at the batch timeout
             got = self.topo.learner.fetch(self.topo.buffer_address, num_groups - len(metas), self.version,
-                                          min(left, 30.0))
+                                          min(left, 5.0))
             fresh = [m for m in got if m["prompt_index"] not in self.progress.trained_recent]
             self.duplicates_dropped += len(got) - len(fresh)
             metas += fresh

@@ -115,6 +115,7 @@ class RolloutWorker:
             from asyncrl.actors.guided import PolicyChat
             from asyncrl.replay import BufferClient, PushWindow
             from asyncrl.rewards import load_reward
+            from asyncrl.rewards.guard import RewardGuard
             from asyncrl.serve.client import VerifierClient
 
         t0 = time.time()
@@ -143,7 +144,8 @@ class RolloutWorker:
         nice = rollout_cpu_nice(cfg.rollout.gpus_per_actor, cfg.rollout.cpu_nice)
         renice(nice)
         renice_children(nice)
-        self.reward_fn = load_reward(cfg.reward)
+        self.reward_fn = RewardGuard(load_reward(cfg.reward), cfg.reward.call_timeout_s,
+                                     cfg.reward.max_consecutive_failures)
         # the job's services, which may have started while the engine was being built
         self.coordinator = await _named_actor("coordinator", self.namespace, cfg.cluster.startup_timeout_s)
         if not self.buffer_address:
@@ -252,6 +254,7 @@ class RolloutWorker:
     async def _group(self, prompt: dict[str, Any], ticket: int) -> None:
         from asyncrl.actors.group import build_group, run_guided_group
         from asyncrl.actors.guided import GroupDropped
+        from asyncrl.rewards.guard import RewardCallError
 
         pushed = False
         vp = None
@@ -281,6 +284,17 @@ class RolloutWorker:
                 await self.coordinator.complete.remote(prompt["index"])
                 pushed = True  # nothing to abandon
                 return
+            ended = sum(1 for c in convs if c.finish_reason == "verifier_error")
+            self._stats["conversations_done"] += len(convs)
+            self._stats["conversations_verifier_error"] += ended
+            if ended:  # the verifier failed, not the policy: never trained as the policy's failure
+                self._stats["groups_reissued_verifier_error"] += 1
+                if self._stats["groups_reissued_verifier_error"] == 1:
+                    log.warning("group for prompt %s: %d conversation(s) ended by a verifier error (%s); the group "
+                                "is re-issued, not trained (later ones are counted: rollout/groups_reissued_"
+                                "verifier_error)", prompt.get("uid"), ended,
+                                next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"))
+                return  # finally: its ticket is released and the coordinator issues the prompt again
             group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,
                                          **({"vp": vp} if vp is not None else {}))
@@ -291,6 +305,11 @@ class RolloutWorker:
             await self.coordinator.complete.remote(prompt["index"])
         except asyncio.CancelledError:
             raise
+        except RewardCallError as exc:  # one log line per kind (the guard counts them; the job reads health())
+            if getattr(exc, "first_of_kind", True):
+                log.error("group for prompt %s: %s (later failures of this kind are counted, not logged)",
+                          prompt.get("uid"), exc, exc_info=exc)
+            self._stats["groups_failed"] += 1
         except Exception:  # a failed group must not kill the actor: count, log, re-issue its prompt
             log.exception("group for prompt %s failed", prompt.get("uid"))
             self._stats["groups_failed"] += 1
@@ -402,6 +421,10 @@ class RolloutWorker:
             "rollout/groups_pushed": self._stats["groups_pushed"],
             "rollout/groups_failed": self._stats["groups_failed"],
             "rollout/groups_dropped_verifier_error": self._stats["groups_dropped_verifier_error"],
+            "rollout/groups_reissued_verifier_error": self._stats["groups_reissued_verifier_error"],
+            # conversations ended by the verifier's failure, of those that ended (since the last report)
+            "verifier/conversation_error_rate": (self._stats["conversations_verifier_error"]
+                                                 / max(self._stats["conversations_done"], 1)),
             "rollout/policy_tokens": self._policy_tokens,
         }
         if self.vl is not None:
@@ -412,6 +435,7 @@ class RolloutWorker:
         if self.verifier is not None:
             out.update(self.verifier.metrics(reset=True))
         self._stats["groups_pushed"] = 0
+        self._stats["conversations_done"] = self._stats["conversations_verifier_error"] = 0
         self._policy_tokens = 0
         self._idle_s = 0.0
         self._weight_update_s = 0.0
@@ -420,6 +444,16 @@ class RolloutWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def health(self) -> dict[str, Any]:
+        """Cumulative failure counters the job watches while it waits for batches
+        (asyncrl.failure_watch): the reward guard's report and the verifier client's calls."""
+        guard = getattr(self, "reward_fn", None)
+        out: dict[str, Any] = {"reward": guard.report() if hasattr(guard, "report") else None,
+                               "groups_reissued_verifier_error": self._stats["groups_reissued_verifier_error"]}
+        if getattr(self, "verifier", None) is not None:
+            out["verifier"] = self.verifier.health()
+        return out
 
     def _pid_file(self) -> str:
         import tempfile

@@ -183,6 +183,12 @@ class RewardConfig(Section):
     """Keyword arguments bound to the function."""
     timeout_s: float = Field(10.0, gt=0)
     """Bound on grading one sample."""
+    call_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one reward call (a group's batch, plug-ins included); a call past it fails the
+    group, is named as hung, and its thread is left behind (asyncrl.rewards.guard)."""
+    max_consecutive_failures: int = Field(8, ge=0)
+    """Reward calls of one rollout actor that may fail in a row (raised or hung) before the job stops
+    with the reward function's own error; 0 = never stop (each failed group is re-issued)."""
 
 
 # ------------------------------------------------------------------------------------------ cluster
