@@ -154,7 +154,24 @@ def check_models(cfg: Config) -> bool:
 
 def run(cfg: Config) -> int:
     """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files).
-    Exit 2 when the model cannot hold the config (nothing started), else the job's status."""
+    Exit 2 when the run directory belongs to another live job or the model cannot hold the config
+    (nothing started), else the job's status."""
+    from asyncrl.run_lock import RunDirLocked, acquire, took_over_line
+
+    try:
+        lock = acquire(cfg.run_path)  # one job per run directory, held to the end (asyncrl.run_lock)
+    except RunDirLocked as exc:
+        echo(f"error: {exc}", err=True)
+        return 2
+    try:
+        if took_over_line(lock):
+            say(took_over_line(lock))
+        return _run_locked(cfg)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: Config) -> int:
     if not check_models(cfg):
         return 2
     if cfg.cluster.ray_address:  # a refused connection: now, not after importing Ray

@@ -290,7 +290,7 @@ class RolloutWorker:
             if ended:  # the verifier failed, not the policy: never trained as the policy's failure
                 self._stats["groups_reissued_verifier_error"] += 1
                 if self._stats["groups_reissued_verifier_error"] == 1:
-                    log.warning("group for prompt %s: %d conversation(s) ended by a verifier error (%s); the group "
+                    log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s); the group "
                                 "is re-issued, not trained (later ones are counted: rollout/groups_reissued_"
                                 "verifier_error)", prompt.get("uid"), ended,
                                 next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"))
@@ -305,9 +305,9 @@ class RolloutWorker:
             await self.coordinator.complete.remote(prompt["index"])
         except asyncio.CancelledError:
             raise
-        except RewardCallError as exc:  # one log line per kind (the guard counts them; the job reads health())
-            if getattr(exc, "first_of_kind", True):
-                log.error("group for prompt %s: %s (later failures of this kind are counted, not logged)",
+        except RewardCallError as exc:  # once per kind, in this actor's log: the job says it on the console
+            if getattr(exc, "first_of_kind", True):  # (asyncrl.failure_watch, from health()); the guard counts
+                log.info("group for prompt %s: %s (later failures of this kind are counted, not logged)",
                           prompt.get("uid"), exc, exc_info=exc)
             self._stats["groups_failed"] += 1
         except Exception:  # a failed group must not kill the actor: count, log, re-issue its prompt

@@ -42,18 +42,26 @@ class RewardCallTimeout(RewardCallError):
     """A reward call that did not return within `reward.call_timeout_s`."""
 
 
-def origin_of(exc: BaseException) -> str:
+def origin_of(exc: BaseException, prefer: str = "") -> str:
     """`file:line in function` of the code that raised `exc` (its root cause's traceback): the deepest
-    frame outside the standard library and site packages, else the deepest frame; "" without one."""
-    root = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
-    frames = traceback.extract_tb(root.__traceback__)
+    frame in the file `prefer` (the plug-in's), else the deepest outside the standard library, site
+    packages and asyncrl's reward plumbing, else the deepest frame; "" without a traceback."""
+    frames = traceback.extract_tb(_root(exc).__traceback__)
     if not frames:
         return ""
-    own = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)]
-    f = (own or frames)[-1]
+    own = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS) and not f.filename.endswith(_PLUMBING)]
+    mine = [f for f in frames if prefer and f.filename == prefer]
+    f = (mine or own or frames)[-1]
     return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def _root(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+_PLUMBING = tuple(f"asyncrl/rewards/{name}.py" for name in ("plugins", "scorer", "guard"))
 
 
 @dataclass
@@ -109,8 +117,10 @@ class RewardGuard:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - named and counted, then raised as one kind
-            where = origin_of(exc)
-            message = str(exc) if str(exc).startswith("reward function ") else f"{type(exc).__name__}: {exc}"
+            where = origin_of(exc, prefer=self.where.rpartition(":")[0])
+            root = _root(exc)  # a plug-in's own exception, not the wrapper that names the plug-in
+            message = str(root) if root is exc and str(exc).startswith("reward function ") else \
+                f"{type(root).__name__}: {root}"
             raise self._failed(RewardCallError(
                 f"reward function {self.where} failed at {where or '?'}: {message}",
                 key=f"{where}:{type(exc).__name__}")) from exc

@@ -1,0 +1,101 @@
+"""End to end through `python -m asyncrl.launch` on the quick-start world: a job whose outside world
+is broken says what failed, fast, and leaves nothing running.
+
+Proves: a reward plug-in that raises on every group stops the job with exit 3 and its own error (file,
+line, function, message) within seconds of the first failures, not after `learner.batch_timeout_s`
+with "is the rollout fleet alive?", and the error is on the console once, not once per group; a reward
+plug-in that hangs is named as hung (`reward.call_timeout_s`) and no process of the job (engine core,
+rollout worker with the hung call) is alive after the launcher exits; `learner.optim.lr=1e3` stops
+with a named divergence error naming the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = ROOT / "assets" / "tiny-policy"
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="quick-start policy not built")]
+
+BASE = ["rollout.n=4", "data.rollout_batch_size=2", "rollout.cpus_per_actor=0.5", "learner.cpus_per_rank=0.5",
+        "trainer.logger=[jsonl]", "learner.weights.timeout_s=30", "trainer.eval_before_after=false",
+        "trainer.eval_every=-1", "rollout.groups_in_flight=2", "learner.batch_timeout_s=600"]
+
+
+def launch(run_dir: Path, *overrides: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RAY_USAGE_STATS_ENABLED="0",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "asyncrl.launch", "-c", "configs/quickstart.yaml", f"trainer.run_dir={run_dir}",
+           *BASE, *overrides]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Processes whose environment names this run directory (every process of the job has the role
+    log directory `<run_dir>/<experiment>/logs` in its environment)."""
+    found = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if any(str(run_dir) in v for v in p.environ().values()):
+                found.append(f"{p.info['pid']} {p.info['name']}")
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _plugin(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "bad_reward.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_a_reward_function_that_always_raises_stops_the_job_naming_it(tmp_path: Path) -> None:
+    plugin = _plugin(tmp_path, """
+        def score(items):
+            return [{"overall": float(item["answer"])} for item in items]
+    """)
+    proc, took = launch(tmp_path, "trainer.experiment_name=raises", "trainer.max_steps=3", "reward.kwargs={}",
+                     f"reward.function={plugin}:score", "reward.max_consecutive_failures=4")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert "RewardFunctionFailed" in out and f"failed at {plugin}:3 in " in out, out[-4000:]
+    assert "KeyError: 'answer'" in out
+    assert "is the rollout fleet alive" not in out
+    assert out.count("KeyError: 'answer'") <= 4, out[-4000:]  # said once (+ the stop line), not per group
+    time.sleep(2)
+    assert processes_of(tmp_path) == []
+
+
+def test_a_hung_reward_function_is_named_and_nothing_outlives_the_job(tmp_path: Path) -> None:
+    plugin = _plugin(tmp_path, """
+        import time
+        def score(items):
+            while True:
+                time.sleep(0.1)
+    """)
+    proc, _ = launch(tmp_path, "trainer.experiment_name=hangs", "trainer.max_steps=3", f"reward.function={plugin}:score",
+                     "reward.call_timeout_s=3", "reward.max_consecutive_failures=2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert f"reward function {plugin}:score did not return within reward.call_timeout_s=3s" in out, out[-4000:]
+    time.sleep(2)
+    assert processes_of(tmp_path) == []
+
+
+def test_a_diverging_run_stops_with_a_named_error(tmp_path: Path) -> None:
+    proc, _ = launch(tmp_path, "trainer.experiment_name=lr", "trainer.max_steps=12", "learner.optim.lr=1e3",
+                     "learner.kl.enable=false", "trainer.save_every=1", "learner.max_nonfinite_steps=2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert "TrainingDiverged" in out and "last good checkpoint: " in out, out[-4000:]
