@@ -201,10 +201,14 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
             topo.buffer_address = topo.fleet.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
             topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
             say(f"  replay buffer listening at {topo.buffer_address}")
-            snap = resume / "buffer" / "groups.snapshot" if resume else None
-            if snap is not None and snap.exists():
-                restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
-                say(f"  buffer restored from {snap}: {restored} group(s)")
+            if resume:  # a missing or damaged snapshot: its prompts are issued again, said with how many
+                from asyncrl.job_checkpoint import restore_buffer
+
+                buf, coord = topo.buffer, topo.coordinator
+                restore_buffer(resume / "buffer" / "groups.snapshot",
+                               lambda p: ray.get(buf.restore.remote(p), timeout=timeout),
+                               lambda: ray.get(buf.prompt_indices.remote(), timeout=timeout),
+                               lambda present: ray.get(coord.reissue_lost.remote(present), timeout=timeout))
         fail_early()
         if not cfg.rollout.guide.enable:  # nothing would call it (no Serve processes competing for the CPUs)
             say("verifier service: not started (rollout.guide.enable=false; `asyncrl.ctl swap-verifier` deploys one)")
