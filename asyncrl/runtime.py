@@ -191,9 +191,14 @@ def _run_locked(cfg: Config) -> int:
 def _run_job(cfg: Config, run_dir: Path) -> int:
     import ray
 
+    from asyncrl.reaper import procs_dir, reap
+
     stop = StopFlag()
     namespace = f"asyncrl-{cfg.trainer.experiment_name}-{os.getpid()}"
     topo = None
+    left = reap(procs_dir(run_dir))  # a previous job on this run directory that died without cleaning up
+    if left:
+        say(f"ended {len(left)} process(es) an earlier job of {run_dir} left running: {', '.join(left)}")
     try:
         resume = find_resume(cfg, run_dir)
         rows = _load_rows_in_background(cfg)
@@ -237,6 +242,9 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
             t0 = time.monotonic()
             ray.shutdown()
             logging.getLogger(__name__).info("ray.shutdown took %.2fs", time.monotonic() - t0)
+        left = reap(procs_dir(run_dir))  # what Ray's shutdown did not end (engine cores, stuck workers)
+        if left:
+            say(f"ended {len(left)} process(es) the job left running: {', '.join(left)}")
 
 
 def _load_rows_in_background(cfg: Config) -> threading.Thread:

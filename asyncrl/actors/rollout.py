@@ -138,6 +138,9 @@ class RolloutWorker:
                                    weight_bucket_mb=cfg.learner.weights.bucket_mb, fork_engine_core=True,
                                    beside_build=prepare, **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
+        from asyncrl.reaper import procs_dir, record
+
+        record(procs_dir(cfg.run_path), f"rollout actor {self.actor_id}")  # the launcher ends them at the job's end
         # The engine is built at Ray's niceness: it is what the first step waits for (at 19 it got
         # ~30 % of a core against the learner's start, at 15 like the learner). Generating, it
         # yields to the learner, the job's critical path from now on (`rollout.cpu_nice`).

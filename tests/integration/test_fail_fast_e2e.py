@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -32,13 +33,28 @@ BASE = ["rollout.n=4", "data.rollout_batch_size=2", "rollout.cpus_per_actor=0.5"
 
 
 def launch(run_dir: Path, *overrides: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], float]:
+    """The launch's output and the seconds from its "rollout actors ... ready" line (training starts)
+    to its exit (printed, for the note; not asserted: the machine is shared)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RAY_USAGE_STATS_ENABLED="0",
                TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "asyncrl.launch", "-c", "configs/quickstart.yaml", f"trainer.run_dir={run_dir}",
            *BASE, *overrides]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - t0
+    popen = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(popen.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    lines, ready = [], None
+    deadline = time.monotonic() + timeout
+    for line in popen.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        if ready is None and line.startswith("[asyncrl] rollout actors x") and " ready (" in line:
+            ready = time.monotonic()
+        assert time.monotonic() < deadline, "".join(lines)[-3000:]
+    popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+    reader.join(timeout=10)
+    took = time.monotonic() - (ready or time.monotonic())
+    print(f"{run_dir}: exit {popen.returncode}, {took:.1f}s from the fleet's start to the exit")
+    return subprocess.CompletedProcess(cmd, popen.returncode, "".join(lines), "".join(err)), took
 
 
 def processes_of(run_dir: Path) -> list[str]:
@@ -62,10 +78,10 @@ def _plugin(tmp_path: Path, body: str) -> Path:
 
 def test_a_reward_function_that_always_raises_stops_the_job_naming_it(tmp_path: Path) -> None:
     plugin = _plugin(tmp_path, """
-        def score(items):
+        def score(items, **kwargs):
             return [{"overall": float(item["answer"])} for item in items]
     """)
-    proc, took = launch(tmp_path, "trainer.experiment_name=raises", "trainer.max_steps=3", "reward.kwargs={}",
+    proc, _ = launch(tmp_path, "trainer.experiment_name=raises", "trainer.max_steps=3",
                      f"reward.function={plugin}:score", "reward.max_consecutive_failures=4")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-4000:]
@@ -80,7 +96,7 @@ def test_a_reward_function_that_always_raises_stops_the_job_naming_it(tmp_path: 
 def test_a_hung_reward_function_is_named_and_nothing_outlives_the_job(tmp_path: Path) -> None:
     plugin = _plugin(tmp_path, """
         import time
-        def score(items):
+        def score(items, **kwargs):
             while True:
                 time.sleep(0.1)
     """)
