@@ -158,14 +158,27 @@ def stop_named(exc: JobStop, run_dir: Path, progress: Progress, logger: MetricLo
                checkpoint: Callable[[], Path | None]) -> int:
     """One `error:` line naming why the job stops, the traceback to error.log, an emergency checkpoint
     when the state is worth one, the metric sinks closed; exit status 3."""
+    import tempfile
     import traceback
 
-    (run_dir / "error.log").write_text("".join(traceback.format_exception(exc)))
+    text = "".join(traceback.format_exception(exc))
+    log = None
+    for where in (run_dir, Path(tempfile.gettempdir()) / "asyncrl-emergency" / run_dir.name):
+        try:  # the run directory's disk may be the reason for the stop
+            where.mkdir(parents=True, exist_ok=True)
+            (where / "error.log").write_text(text)
+            log = where / "error.log"
+            break
+        except OSError:
+            continue
     say(f"error: {type(exc).__name__}: {exc}")
-    say(f"stopping at step {progress.step} (exit status 3): {exc.advice}")
+    say(f"stopping at step {progress.step} (exit status 3): {exc.advice}. Traceback: {log or 'not written'}")
     if exc.checkpoint:
         try:
-            checkpoint()
+            path = checkpoint()
+            if path is not None and run_dir not in Path(path).parents:
+                say(f"emergency checkpoint written outside the run directory: {path} (resume with "
+                    f"trainer.resume={path}, or move it into {run_dir / 'checkpoints'})")
         except Exception as exc2:  # noqa: BLE001 - already failing; say what could not be written
             say(f"the emergency checkpoint could not be written: {one_line(root_cause(exc2))}")
     try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full, remove_partial
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
 from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop
 from asyncrl.job_checkpoint import write_job_checkpoint
@@ -55,6 +56,8 @@ class Trainer:
         self.services = ServiceWatch(cfg, topo)
         self.failures = FailureWatch(self.fleet)  # reward / verifier failures said once, fatal ones stop the job
         self.divergence = DivergenceWatch(cfg.learner.max_nonfinite_steps, run_dir / "checkpoints")
+        self.disk = DiskWatch(run_dir, cfg.trainer.min_free_disk_mb, cfg.trainer.disk_full_wait_s,
+                              lambda admitting: topo.coordinator.set_admitting.remote(admitting))
         self.lengths = GroupLengths()
         self.clock = StepClock()
         self.summary: dict[str, Any] = {}  # the evaluations before/after (summary.json)
@@ -184,6 +187,9 @@ class Trainer:
             if left <= 0 or self.stop.requested:
                 break
             self.failures.check()  # a broken reward function stops the job now, not at the batch timeout
+            self.disk.check()  # a full disk pauses admission (its own limit replaces the batch timeout)
+            if self.disk.paused:
+                deadline = max(deadline, time.time() + 5.0)
             got = self.topo.learner.fetch(self.topo.buffer_address, num_groups - len(metas), self.version,
                                           min(left, 5.0))
             fresh = [m for m in got if m["prompt_index"] not in self.progress.trained_recent]
@@ -228,13 +234,13 @@ class Trainer:
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
         return evaluate_on_fleet(self.cfg, self.fleet, self.version, self.run_dir, split, tag)
 
-    def checkpoint(self, emergency: bool = False) -> Path | None:
+    def checkpoint(self, emergency: bool = False, root: Path | None = None) -> Path | None:
         """The job's checkpoint; None when the disk has no room for it (said aloud, training goes
         on; on the error path the failure propagates to `stop_on_failure`, which says it)."""
         from asyncrl.learner.checkpoint import CheckpointNoRoom
 
         try:
-            return write_job_checkpoint(self.topo, self.run_dir, self.progress, len(self.fleet), emergency)
+            return write_job_checkpoint(self.topo, self.run_dir, self.progress, len(self.fleet), emergency, root)
         except CheckpointNoRoom as exc:
             if emergency:
                 raise
@@ -242,6 +248,18 @@ class Trainer:
             return None
 
     def on_failure(self, exc: BaseException) -> int:
-        """The job cannot go on (asyncrl.recovery.stop_on_failure); the exit status."""
+        """The job cannot go on (asyncrl.recovery.stop_on_failure); the exit status. A full disk behind
+        it: `DiskFull`, with the emergency checkpoint written elsewhere (asyncrl.disk_watch)."""
+        if is_disk_full(exc):
+            if not isinstance(exc, DiskFull):
+                from asyncrl.startup import one_line, root_cause
+
+                full = DiskFull(f"a write of the job failed on a full disk ({one_line(root_cause(exc), 300)})")
+                full.__cause__ = exc
+                exc = full
+            remove_partial(self.run_dir / "checkpoints")
+            root = emergency_root(self.cfg.trainer.emergency_dir, self.run_dir)
+            return stop_on_failure(exc, self.topo, self.run_dir, self.progress, self.logger,
+                                   lambda: self.checkpoint(emergency=True, root=root))
         return stop_on_failure(exc, self.topo, self.run_dir, self.progress, self.logger,
                                lambda: self.checkpoint(emergency=True))

@@ -253,6 +253,14 @@ class TrainerConfig(Section):
     SIGTERM and on the error path."""
     save_limit: int = -1
     """Keep the newest K checkpoints; -1 = all."""
+    min_free_disk_mb: float = Field(64.0, ge=0)
+    """Free space the run directory's disk must keep: below it admission pauses (a console line)
+    until twice as much is free again; 0 = not watched."""
+    disk_full_wait_s: float = Field(300.0, gt=0)
+    """How long admission may stay paused for a full disk before the job ends (DiskFull, exit 3)."""
+    emergency_dir: str | None = None
+    """Where the emergency checkpoint goes when the run's disk is full (`<dir>/asyncrl-emergency/<run>`);
+    None = $TMPDIR."""
     recover_learner: bool = True
     """A dead learner rank is recovered in the running job: the learner group is rebuilt from the
     newest checkpoint (up to `cluster.max_restarts` times); false = stop (exit 3) for a resume."""
