@@ -115,3 +115,42 @@ def test_a_diverging_run_stops_with_a_named_error(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-4000:]
     assert "TrainingDiverged" in out and "last good checkpoint: " in out, out[-4000:]
+
+
+def test_a_full_disk_during_a_run_pauses_then_ends_with_a_named_error(tmp_path: Path) -> None:
+    """The run directory on a 256 MB tmpfs that the test fills after the first trained step (leaving
+    ~1 MB): admission pauses with a line, and the job ends with DiskFull, exit 3, its emergency
+    checkpoint written to `trainer.emergency_dir` (outside the full disk)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    spare = tmp_path / "spare"
+    filled = threading.Event()
+
+    def fill_after_first_step() -> None:
+        metrics = mnt / "full" / "metrics.jsonl"
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.5)
+        free = psutil.disk_usage(str(mnt)).free
+        with open(mnt / "filler", "wb") as f:
+            f.truncate(0)
+            f.write(b"\0" * max(0, free - 2**20))
+        filled.set()
+
+    filler = threading.Thread(target=fill_after_first_step, daemon=True)
+    filler.start()
+    try:
+        proc, _ = launch(mnt, "trainer.experiment_name=full", "trainer.max_steps=200", "trainer.save_every=-1",
+                         "trainer.min_free_disk_mb=4", "trainer.disk_full_wait_s=15", f"trainer.emergency_dir={spare}")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    out = proc.stdout + proc.stderr
+    assert filled.is_set(), out[-3000:]
+    assert proc.returncode == 3, out[-4000:]
+    assert "error: DiskFull: " in out, out[-4000:]
+    assert "admission paused" in out or "failed on a full disk" in out
+    ckpts = list((spare / "asyncrl-emergency" / "full").glob("step_*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "run_state.json").exists(), out[-3000:]
+    assert f"emergency checkpoint written outside the run directory: {ckpts[0]}" in out
