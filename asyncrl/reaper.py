@@ -5,7 +5,7 @@ a forked child that outlives an actor killed with SIGKILL, and a worker whose pr
 (a thread stuck in a reward call, a child ignoring SIGTERM) is left behind. So every rollout actor
 records itself and its descendants in `<run_dir>/state/procs/` (`record`: pid, start time, role,
 host), and the launcher, after Ray's shutdown, ends whatever of those is still alive on its host
-(`reap`: SIGTERM, then SIGKILL after a grace period) and says so. A record is matched by pid AND
+(`reap`: a grace period to exit, then SIGTERM, then SIGKILL) and says so. A record is matched by pid AND
 start time, so a pid reused by an unrelated process is never signalled.
 """
 
@@ -44,8 +44,9 @@ def record(directory: str | os.PathLike[str], role: str, pids: list[int] | None 
 
 
 def reap(directory: str | os.PathLike[str], grace_s: float = 3.0) -> list[str]:
-    """End every recorded process of this host that is still alive (same pid and start time):
-    SIGTERM, then SIGKILL after `grace_s`. Returns "role (pid N)" of each one ended; the records go."""
+    """End every recorded process of this host that is still alive (same pid and start time) and
+    does not exit by itself within `grace_s`: SIGTERM, then SIGKILL after another `grace_s`. Returns
+    "role (pid N)" of each one that had to be ended; the records go."""
     import psutil
 
     directory = Path(directory)
@@ -67,20 +68,26 @@ def reap(directory: str | os.PathLike[str], grace_s: float = 3.0) -> list[str]:
             proc = psutil.Process(int(entry["pid"]))
             if abs(proc.create_time() - float(entry["create_time"])) > 0.01:
                 continue  # the pid was reused by a process the job did not start
-            proc.terminate()
             alive.append((proc, f"{entry['role']} (pid {proc.pid})"))
         except psutil.Error:
             continue
     if not alive:
         return []
-    _, still = psutil.wait_procs([p for p, _ in alive], timeout=grace_s)
+    names = {p.pid: name for p, name in alive}
+    _, left = psutil.wait_procs([p for p, _ in alive], timeout=grace_s)  # exiting on their own (Ray's shutdown)
+    for p in left:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, still = psutil.wait_procs(left, timeout=grace_s)
     for p in still:
         try:
             p.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(still, timeout=grace_s)
-    return [name for _, name in alive]
+    return [names[p.pid] for p in left]
 
 
 def procs_dir(run_dir: str | os.PathLike[str]) -> Path:

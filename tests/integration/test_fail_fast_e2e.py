@@ -154,3 +154,53 @@ def test_a_full_disk_during_a_run_pauses_then_ends_with_a_named_error(tmp_path: 
     ckpts = list((spare / "asyncrl-emergency" / "full").glob("step_*"))
     assert len(ckpts) == 1 and (ckpts[0] / "run_state.json").exists(), out[-3000:]
     assert f"emergency checkpoint written outside the run directory: {ckpts[0]}" in out
+
+
+def test_a_failing_http_verifier_upstream_is_counted_and_never_trained(tmp_path: Path) -> None:
+    """verifier.backend=http whose upstream answers every 4th request with 502 (no retries): about
+    a quarter of the verifier calls fail. `verifier/error_rate` shows it within [0, 1], the groups whose
+    conversations a verifier failure ended are re-issued (counted, one console line), and no trained
+    sample ends with `verifier_error`."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            with lock:
+                calls["n"] += 1
+                fail = calls["n"] % 4 == 0
+            body = b'{"error": {"message": "upstream overloaded"}}' if fail else json.dumps(
+                {"choices": [{"message": {"role": "assistant", "content": "###STOP###"}, "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+            self.send_response(502 if fail else 200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc, _ = launch(tmp_path, "trainer.experiment_name=flaky", "trainer.max_steps=3", "verifier.backend=http",
+                         f"verifier.http.base_url=http://127.0.0.1:{server.server_address[1]}/v1",
+                         "verifier.http.max_retries=0", "verifier.client.max_retries=0",
+                         "reward.max_consecutive_failures=0")
+    finally:
+        server.shutdown()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert calls["n"] > 10
+    rows = [json.loads(line) for line in (tmp_path / "flaky" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "resumed_from" not in r]
+    rates = [r["verifier/error_rate"] for r in rows]
+    assert all(0.0 <= x <= 1.0 for x in rates) and max(rates) > 0.1, rates
+    assert rows[-1]["rollout/groups_reissued_verifier_error"] > 0
+    assert all(r.get("rollout/finish_reason/verifier_error", 0) == 0 for r in rows)
+    assert "re-issued, not trained" in out
