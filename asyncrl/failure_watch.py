@@ -29,7 +29,6 @@ from asyncrl.startup import one_line, root_cause, say
 
 if TYPE_CHECKING:
     from asyncrl.metrics import MetricLogger
-    from asyncrl.recovery import Progress
 
 HEALTH_TIMEOUT_S = 10.0  # an actor busy in a long call still answers health() (max_concurrency)
 OUTAGE_MIN_CALLS = 4  # verifier calls in one poll window before "every call failed" is an outage
@@ -154,9 +153,9 @@ class DivergenceWatch:
                 f"{metrics.get('train/grad_norm')}, loss/pg={metrics.get('loss/pg')}); last good checkpoint: {good}")
 
 
-def stop_named(exc: JobStop, run_dir: Path, progress: Progress, logger: MetricLogger,
+def stop_named(exc: JobStop, run_dir: Path, progress: Any, logger: MetricLogger,
                checkpoint: Callable[[], Path | None]) -> int:
-    """One `error:` line naming why the job stops, the traceback to error.log, an emergency checkpoint
+    """`progress`: the loop's asyncrl.recovery.Progress (its step). One `error:` line naming why the job stops, the traceback to error.log, an emergency checkpoint
     when the state is worth one, the metric sinks closed; exit status 3."""
     import tempfile
     import traceback

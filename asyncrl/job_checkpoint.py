@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.startup import say
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from asyncrl.recovery import Progress
     from asyncrl.topology import Topology
 
@@ -96,23 +94,3 @@ def _cursor(topo: Topology, run_dir: Path, indices: list[int], emergency: bool) 
         say(f"  coordinator gone ({type(exc).__name__}): cursor taken from its state file")
         return cursor_from_state_file(run_dir / "state" / "coordinator.json", indices)
 
-
-def restore_buffer(snapshot: Path, restore: Callable[[str], int], present: Callable[[], list[int]],
-                   reissue_lost: Callable[[list[int]], list[int]]) -> list[int]:
-    """On resume: the checkpoint's buffer snapshot into the buffer (`restore(path)`), then every prompt
-    the checkpoint's cursor lists as `buffered` that the buffer does not hold (`present()`) issued
-    again (`reissue_lost`): a missing or damaged snapshot (each said by name) loses no prompt. Returns
-    the re-issued prompt indices."""
-    if not snapshot.exists():
-        say(f"  buffer snapshot {snapshot} is missing")
-    else:
-        try:
-            say(f"  buffer restored from {snapshot}: {restore(str(snapshot.resolve()))} group(s)")
-        except Exception as exc:  # noqa: BLE001 - a damaged snapshot: named, its prompts re-issued below
-            from asyncrl.startup import one_line, root_cause
-
-            say(f"  buffer snapshot {snapshot} is damaged and was not loaded ({one_line(root_cause(exc), 200)})")
-    lost = reissue_lost(present())
-    if lost:
-        say(f"  {len(lost)} prompt(s) the checkpoint lists as buffered are not in the buffer: issued again")
-    return lost

@@ -202,7 +202,7 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
             topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
             say(f"  replay buffer listening at {topo.buffer_address}")
             if resume:  # a missing or damaged snapshot: its prompts are issued again, said with how many
-                from asyncrl.job_checkpoint import restore_buffer
+                from asyncrl.resume_snapshot import restore_buffer
 
                 buf, coord = topo.buffer, topo.coordinator
                 restore_buffer(resume / "buffer" / "groups.snapshot",
