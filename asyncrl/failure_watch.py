@@ -97,8 +97,9 @@ class FailureWatch:
                 raise RewardFunctionFailed(f"rollout actor {aid}: {reward['fatal']}")
             if h.get("groups_reissued_verifier_error") and not self.reissued_said:
                 self.reissued_said = True
-                self.echo("a verifier failure ended conversations of a group: such groups are re-issued, not trained "
-                          "as the policy's failure (rollout/groups_reissued_verifier_error counts them)")
+                self.echo("a verifier failure ended conversations of a group even after re-running them: such groups "
+                          "are re-issued, not trained as the policy's failure (rollout/groups_reissued_verifier_error, "
+                          "rollout/conversations_rerun_verifier_error count them)")
             v = h.get("verifier")
             if v:
                 c0, e0 = self.verifier_seen.get(aid, (0, 0))

@@ -31,6 +31,7 @@ from typing import Any
 from asyncrl.config import Config, rollout_cpu_nice
 
 log = logging.getLogger("asyncrl.rollout")
+VERIFIER_RERUNS = 2  # re-runs of the conversations a verifier failure ended, before the group is re-issued
 BUSY_STATE_S = 0.5  # how often a loop with every group slot busy asks the coordinator whether to stop
 
 
@@ -274,13 +275,27 @@ class RolloutWorker:
                     await self.coordinator.complete.remote(prompt["index"])
                     pushed = True  # nothing to abandon
                     return
+
+            async def conversations(cfg: Config, n: int | None = None) -> list[Any]:
+                extra = {"vp": vp, "vl": self.vl} if vp is not None else {}
+                return await run_guided_group(cfg, prompt, self.engine, self.verifier, chat=self.chat, training=True,
+                                              n=n, **extra)
+
             try:
-                if vp is not None:
-                    convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
-                                                   training=True, vp=vp, vl=self.vl)
-                else:
-                    convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
-                                                   training=True)
+                convs = await conversations(self.cfg)
+                self._count_conversations(convs)
+                # Conversations a verifier failure ended are the verifier's failure, never the policy's: run
+                # again (fresh seeds, same slots) up to VERIFIER_RERUNS times, then the group is re-issued.
+                for attempt in range(1, VERIFIER_RERUNS + 1):
+                    failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
+                    if not failed:
+                        break
+                    self._stats["conversations_rerun_verifier_error"] += len(failed)
+                    again = await conversations(_reseeded(self.cfg, attempt), n=len(failed))
+                    self._count_conversations(again)
+                    for i, conv in zip(failed, again):
+                        conv.uid = f"{prompt.get('uid', '')}/{i}"
+                        convs[i] = conv
             except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
                 self._stats["groups_dropped_verifier_error"] += 1
                 await self._zmq_call(self.buffer.release_ticket, ticket)
@@ -288,15 +303,14 @@ class RolloutWorker:
                 pushed = True  # nothing to abandon
                 return
             ended = sum(1 for c in convs if c.finish_reason == "verifier_error")
-            self._stats["conversations_done"] += len(convs)
-            self._stats["conversations_verifier_error"] += ended
-            if ended:  # the verifier failed, not the policy: never trained as the policy's failure
+            if ended:  # still the verifier's failure after the re-runs: never trained as the policy's failure
                 self._stats["groups_reissued_verifier_error"] += 1
                 if self._stats["groups_reissued_verifier_error"] == 1:
-                    log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s); the group "
-                                "is re-issued, not trained (later ones are counted: rollout/groups_reissued_"
-                                "verifier_error)", prompt.get("uid"), ended,
-                                next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"))
+                    log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s) after %d "
+                             "re-run(s); the group is re-issued, not trained (later ones are counted: "
+                             "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
+                             next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
+                             VERIFIER_RERUNS)
                 return  # finally: its ticket is released and the coordinator issues the prompt again
             group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,
@@ -323,6 +337,10 @@ class RolloutWorker:
                 except Exception:  # noqa: BLE001 - best effort; the buffer's ticket lease also expires
                     log.warning("could not release ticket %s", ticket)
                 await self.coordinator.abandon.remote(prompt["index"])
+
+    def _count_conversations(self, convs: list[Any]) -> None:
+        self._stats["conversations_done"] += len(convs)
+        self._stats["conversations_verifier_error"] += sum(1 for c in convs if c.finish_reason == "verifier_error")
 
     def _account(self, group: Any, convs: list[Any]) -> None:
         texts = set()
@@ -425,6 +443,7 @@ class RolloutWorker:
             "rollout/groups_failed": self._stats["groups_failed"],
             "rollout/groups_dropped_verifier_error": self._stats["groups_dropped_verifier_error"],
             "rollout/groups_reissued_verifier_error": self._stats["groups_reissued_verifier_error"],
+            "rollout/conversations_rerun_verifier_error": self._stats["conversations_rerun_verifier_error"],
             # conversations ended by the verifier's failure, of those that ended (since the last report)
             "verifier/conversation_error_rate": (self._stats["conversations_verifier_error"]
                                                  / max(self._stats["conversations_done"], 1)),
@@ -486,6 +505,11 @@ async def _named_actor(name: str, namespace: str, timeout_s: float) -> Any:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+def _reseeded(cfg: Config, attempt: int) -> Config:
+    """`cfg` with another rollout seed, so re-run conversations do not repeat the group's samples."""
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + 7919 * attempt})})
 
 
 def lora_engine_kwargs(cfg: Config) -> dict[str, Any]:
