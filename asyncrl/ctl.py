@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+CONNECT_TIMEOUT_S = 15.0  # joining the job's Ray cluster and finding its coordinator
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
@@ -85,6 +86,8 @@ def _not_running(job: dict) -> str:
             return f"its launcher (pid {pid}) has exited"
         except PermissionError:
             pass
+        if _pid_reused(pid, job.get("started")):
+            return f"its launcher (pid {pid}) has exited (that pid now belongs to a process started later)"
     from asyncrl.startup import StartupError, check_reachable
 
     try:
@@ -92,6 +95,45 @@ def _not_running(job: dict) -> str:
     except StartupError as exc:
         return str(exc)
     return ""
+
+
+def _pid_reused(pid: int, started: object) -> bool:
+    """Whether the process now at `pid` started after the job did (the launcher's pid was reused)."""
+    import psutil
+
+    if not isinstance(started, (int, float)):
+        return False
+    try:
+        return psutil.Process(pid).create_time() > float(started) + 1.0
+    except psutil.Error:
+        return False
+
+
+def _connect(job: dict, timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[Any, str]:
+    """(the job's coordinator handle, "") or (None, why not) within `timeout_s`: `ray.init` against an
+    address that accepts connections but is not (or no longer) this job's Ray cluster can wait for
+    minutes, so it runs in a daemon thread the caller stops waiting for."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def connect() -> None:
+        import ray
+
+        try:
+            ray.init(address=job["ray_address"], namespace=job["namespace"], logging_level="ERROR",
+                     log_to_driver=False)
+            out["coordinator"] = ray.get_actor(job["coordinator"])
+        except Exception as exc:  # noqa: BLE001 - a user-facing edge: reported by the caller
+            out["error"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=connect, name="ctl-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return None, (f"no answer from its Ray address {job.get('ray_address')} within {timeout_s:.0f}s (the job "
+                      "may have died without cleaning up and something else now uses that address)")
+    return out.get("coordinator"), out.get("error", "")
 
 
 def _last_seen(run_dir: Path, job: dict) -> str:
@@ -139,15 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if job.get("ray_auth_mode"):
         os.environ.setdefault("RAY_AUTH_MODE", job["ray_auth_mode"])  # token in ~/.ray/auth_token
+    coordinator, why = _connect(job)
+    if coordinator is None:
+        print(f"error: cannot reach the job of {run_dir} (last seen {_last_seen(run_dir, job)}): {why}",
+              file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(2)  # a connection attempt may still hang in its thread; nothing else to finish here
     import ray
-
-    try:
-        ray.init(address=job["ray_address"], namespace=job["namespace"], logging_level="ERROR",
-                 log_to_driver=False)
-        coordinator = ray.get_actor(job["coordinator"])
-    except Exception as exc:  # noqa: BLE001 - a user-facing edge: report and exit
-        print(f"error: cannot reach the job of {run_dir} ({type(exc).__name__}: {exc})", file=sys.stderr)
-        return 2
     if args.command == "status":
         status = ray.get(coordinator.status.remote(), timeout=30)
         if args.json:

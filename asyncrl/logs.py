@@ -160,7 +160,10 @@ def echo(line: str, *, err: bool = False) -> None:
     stream = (_console_err if err else _console) or (sys.stderr if err else sys.stdout)
     print(line, file=stream, flush=True)
     if _driver_log is not None:
-        print(line, file=_driver_log, flush=True)
+        try:
+            print(line, file=_driver_log, flush=True)
+        except OSError:  # a full disk: the console has the line; the error path must not fail on its log
+            pass
 
 
 def console() -> TextIO:

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 # Per-actor metrics that add up over the fleet; every other number is averaged over the actors.
 SUMMED_STATS = ("rollout/tokens_per_s", "rollout/groups_per_s", "rollout/groups_pushed", "rollout/groups_failed",
-                "rollout/groups_dropped_verifier_error", "rollout/policy_tokens", "rollout/groups_in_flight")
+                "rollout/groups_dropped_verifier_error", "rollout/groups_reissued_verifier_error",
+                "rollout/policy_tokens", "rollout/groups_in_flight")
 
 
 def merge_actor_stats(per_actor: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -162,7 +162,9 @@ async def build_group(cfg: Config, prompt: dict[str, Any], convs: list[Any], rew
     sha256, `vision.PreparedImages.to_wire`), which the learner decodes (`group_row_images`)."""
     from asyncrl.rewards import score
 
-    scores = await score(reward_fn, reward_inputs(convs, prompt.get("ground_truth")))
+    items = reward_inputs(convs, prompt.get("ground_truth"))
+    guarded = getattr(reward_fn, "score_async", None)  # asyncrl.rewards.guard.RewardGuard: deadline, named errors
+    scores = await (guarded(items) if guarded is not None else score(reward_fn, items))
     scope = cfg.rollout.guide.train_scope
     samples = [build_sample(conv, parts, scope=scope) for conv, parts in zip(convs, scores)]
     metadata: dict[str, Any] = {"prompt_index": int(prompt.get("index", -1))}

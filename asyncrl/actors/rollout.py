@@ -32,6 +32,7 @@ from asyncrl.config import Config, rollout_cpu_nice
 from asyncrl.small_machine.process import renice, renice_children
 
 log = logging.getLogger("asyncrl.rollout")
+VERIFIER_RERUNS = 2  # re-runs of the conversations a verifier failure ended, before the group is re-issued
 BUSY_STATE_S = 0.5  # how often a loop with every group slot busy asks the coordinator whether to stop
 
 
@@ -97,6 +98,7 @@ class RolloutWorker:
             from asyncrl.actors.guided import PolicyChat
             from asyncrl.replay import BufferClient, PushWindow
             from asyncrl.rewards import load_reward
+            from asyncrl.rewards.guard import RewardGuard
             from asyncrl.serve.client import VerifierClient
 
         t0 = time.time()
@@ -119,6 +121,9 @@ class RolloutWorker:
                                    weight_bucket_mb=cfg.learner.weights.bucket_mb, small_machine=bool(cfg.cluster.small_machine),
                                    beside_build=prepare, **vl_kw, **lora_engine_kwargs(cfg))
         _record_children(self._pid_file())
+        from asyncrl.reaper import procs_dir, record
+
+        record(procs_dir(cfg.run_path), f"rollout actor {self.actor_id}")  # the launcher ends them at the job's end
         # The engine is built at Ray's niceness: it is what the first step waits for (at 19 it got
         # ~30 % of a core against the learner's start, at 15 like the learner). Generating, it
         # yields to the learner, the job's critical path from now on (`rollout.cpu_nice`).
@@ -126,7 +131,8 @@ class RolloutWorker:
             else cfg.rollout.cpu_nice
         renice(nice)
         renice_children(nice)
-        self.reward_fn = load_reward(cfg.reward)
+        self.reward_fn = RewardGuard(load_reward(cfg.reward), cfg.reward.call_timeout_s,
+                                     cfg.reward.max_consecutive_failures)
         # the job's services, which may have started while the engine was being built
         self.coordinator = await _named_actor("coordinator", self.namespace, cfg.cluster.startup_timeout_s)
         if not self.buffer_address:
@@ -235,6 +241,7 @@ class RolloutWorker:
     async def _group(self, prompt: dict[str, Any], ticket: int) -> None:
         from asyncrl.actors.group import build_group, run_guided_group
         from asyncrl.actors.guided import GroupDropped
+        from asyncrl.rewards.guard import RewardCallError
 
         pushed = False
         vp = None
@@ -251,19 +258,43 @@ class RolloutWorker:
                     await self.coordinator.complete.remote(prompt["index"])
                     pushed = True  # nothing to abandon
                     return
+
+            async def conversations(cfg: Config, n: int | None = None) -> list[Any]:
+                extra = {"vp": vp, "vl": self.vl} if vp is not None else {}
+                return await run_guided_group(cfg, prompt, self.engine, self.verifier, chat=self.chat, training=True,
+                                              n=n, **extra)
+
             try:
-                if vp is not None:
-                    convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
-                                                   training=True, vp=vp, vl=self.vl)
-                else:
-                    convs = await run_guided_group(self.cfg, prompt, self.engine, self.verifier, chat=self.chat,
-                                                   training=True)
+                convs = await conversations(self.cfg)
+                self._count_conversations(convs)
+                # Conversations a verifier failure ended are the verifier's failure, never the policy's: run
+                # again (fresh seeds, same slots) up to VERIFIER_RERUNS times, then the group is re-issued.
+                for attempt in range(1, VERIFIER_RERUNS + 1):
+                    failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
+                    if not failed:
+                        break
+                    self._stats["conversations_rerun_verifier_error"] += len(failed)
+                    again = await conversations(_reseeded(self.cfg, attempt), n=len(failed))
+                    self._count_conversations(again)
+                    for i, conv in zip(failed, again):
+                        conv.uid = f"{prompt.get('uid', '')}/{i}"
+                        convs[i] = conv
             except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
                 self._stats["groups_dropped_verifier_error"] += 1
                 await self._zmq_call(self.buffer.release_ticket, ticket)
                 await self.coordinator.complete.remote(prompt["index"])
                 pushed = True  # nothing to abandon
                 return
+            ended = sum(1 for c in convs if c.finish_reason == "verifier_error")
+            if ended:  # still the verifier's failure after the re-runs: never trained as the policy's failure
+                self._stats["groups_reissued_verifier_error"] += 1
+                if self._stats["groups_reissued_verifier_error"] == 1:
+                    log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s) after %d "
+                             "re-run(s); the group is re-issued, not trained (later ones are counted: "
+                             "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
+                             next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
+                             VERIFIER_RERUNS)
+                return  # finally: its ticket is released and the coordinator issues the prompt again
             group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,
                                          **({"vp": vp} if vp is not None else {}))
@@ -274,6 +305,11 @@ class RolloutWorker:
             await self.coordinator.complete.remote(prompt["index"])
         except asyncio.CancelledError:
             raise
+        except RewardCallError as exc:  # once per kind, in this actor's log: the job says it on the console
+            if getattr(exc, "first_of_kind", True):  # (asyncrl.failure_watch, from health()); the guard counts
+                log.info("group for prompt %s: %s (later failures of this kind are counted, not logged)",
+                          prompt.get("uid"), exc, exc_info=exc)
+            self._stats["groups_failed"] += 1
         except Exception:  # a failed group must not kill the actor: count, log, re-issue its prompt
             log.exception("group for prompt %s failed", prompt.get("uid"))
             self._stats["groups_failed"] += 1
@@ -284,6 +320,10 @@ class RolloutWorker:
                 except Exception:  # noqa: BLE001 - best effort; the buffer's ticket lease also expires
                     log.warning("could not release ticket %s", ticket)
                 await self.coordinator.abandon.remote(prompt["index"])
+
+    def _count_conversations(self, convs: list[Any]) -> None:
+        self._stats["conversations_done"] += len(convs)
+        self._stats["conversations_verifier_error"] += sum(1 for c in convs if c.finish_reason == "verifier_error")
 
     def _account(self, group: Any, convs: list[Any]) -> None:
         texts = set()
@@ -385,6 +425,11 @@ class RolloutWorker:
             "rollout/groups_pushed": self._stats["groups_pushed"],
             "rollout/groups_failed": self._stats["groups_failed"],
             "rollout/groups_dropped_verifier_error": self._stats["groups_dropped_verifier_error"],
+            "rollout/groups_reissued_verifier_error": self._stats["groups_reissued_verifier_error"],
+            "rollout/conversations_rerun_verifier_error": self._stats["conversations_rerun_verifier_error"],
+            # conversations ended by the verifier's failure, of those that ended (since the last report)
+            "verifier/conversation_error_rate": (self._stats["conversations_verifier_error"]
+                                                 / max(self._stats["conversations_done"], 1)),
             "rollout/policy_tokens": self._policy_tokens,
         }
         if self.vl is not None:
@@ -395,6 +440,7 @@ class RolloutWorker:
         if self.verifier is not None:
             out.update(self.verifier.metrics(reset=True))
         self._stats["groups_pushed"] = 0
+        self._stats["conversations_done"] = self._stats["conversations_verifier_error"] = 0
         self._policy_tokens = 0
         self._idle_s = 0.0
         self._weight_update_s = 0.0
@@ -403,6 +449,16 @@ class RolloutWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def health(self) -> dict[str, Any]:
+        """Cumulative failure counters the job watches while it waits for batches
+        (asyncrl.failure_watch): the reward guard's report and the verifier client's calls."""
+        guard = getattr(self, "reward_fn", None)
+        out: dict[str, Any] = {"reward": guard.report() if hasattr(guard, "report") else None,
+                               "groups_reissued_verifier_error": self._stats["groups_reissued_verifier_error"]}
+        if getattr(self, "verifier", None) is not None:
+            out["verifier"] = self.verifier.health()
+        return out
 
     def _pid_file(self) -> str:
         import tempfile
@@ -432,6 +488,11 @@ async def _named_actor(name: str, namespace: str, timeout_s: float) -> Any:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+def _reseeded(cfg: Config, attempt: int) -> Config:
+    """`cfg` with another rollout seed, so re-run conversations do not repeat the group's samples."""
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + 7919 * attempt})})
 
 
 def lora_engine_kwargs(cfg: Config) -> dict[str, Any]:

@@ -550,6 +550,9 @@ class LearnerConfig(Section):
     """Weight broadcast to rollout engines."""
     batch_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for a batch from the buffer before the run fails with a message."""
+    max_nonfinite_steps: int = Field(3, ge=0)
+    """Learner steps in a row with no finite gradient (every optimizer step skipped) or a non-finite
+    loss before the job stops as diverged, naming the last good checkpoint; 0 = never stop."""
     prefetch: bool = True
     """Rank 0 asks the buffer for the next step's batch while the current step trains, so the
     learner waits only for what the rollouts have not produced yet (not for a round trip)."""

@@ -183,6 +183,12 @@ class RewardConfig(Section):
     """Keyword arguments bound to the function."""
     timeout_s: float = Field(10.0, gt=0)
     """Bound on grading one sample."""
+    call_timeout_s: float = Field(120.0, gt=0)
+    """Deadline of one reward call (a group's batch, plug-ins included); a call past it fails the
+    group, is named as hung, and its thread is left behind (asyncrl.rewards.guard)."""
+    max_consecutive_failures: int = Field(8, ge=0)
+    """Reward calls of one rollout actor that may fail in a row (raised or hung) before the job stops
+    with the reward function's own error; 0 = never stop (each failed group is re-issued)."""
 
 
 # ------------------------------------------------------------------------------------------ cluster
@@ -252,6 +258,14 @@ class TrainerConfig(Section):
     SIGTERM and on the error path."""
     save_limit: int = -1
     """Keep the newest K checkpoints; -1 = all."""
+    min_free_disk_mb: float = Field(64.0, ge=0)
+    """Free space the run directory's disk must keep: below it admission pauses (a console line)
+    until twice as much is free again; 0 = not watched."""
+    disk_full_wait_s: float = Field(300.0, gt=0)
+    """How long admission may stay paused for a full disk before the job ends (DiskFull, exit 3)."""
+    emergency_dir: str | None = None
+    """Where the emergency checkpoint goes when the run's disk is full (`<dir>/asyncrl-emergency/<run>`);
+    None = $TMPDIR."""
     recover_learner: bool = True
     """A dead learner rank is recovered in the running job: the learner group is rebuilt from the
     newest checkpoint (up to `cluster.max_restarts` times); false = stop (exit 3) for a resume."""

@@ -27,9 +27,10 @@ EMERGENCY_TIMEOUT_S = 120  # on the error path a service may hang instead of fai
 
 
 def write_job_checkpoint(topo: Topology, run_dir: Path, progress: Progress, actors: int,
-                         emergency: bool = False) -> Path:
-    """Learner state + buffer snapshot + data cursor + run state; returns the checkpoint directory.
-    `emergency` (the error path): a dead buffer or coordinator is skipped, its prompts re-issued on resume."""
+                         emergency: bool = False, root: Path | None = None) -> Path:
+    """Learner state + buffer snapshot + data cursor + run state; returns the checkpoint directory
+    (under `root`, default the run's checkpoints/). `emergency` (the error path): a dead buffer or
+    coordinator is skipped, its prompts re-issued on resume."""
 
     def extra(staging: Path) -> None:
         indices = _buffer_snapshot(topo, staging, emergency)
@@ -42,9 +43,9 @@ def write_job_checkpoint(topo: Topology, run_dir: Path, progress: Progress, acto
 
     from asyncrl.learner.checkpoint import check_room
 
-    check_room(topo.learner.checkpoint_root(), _estimate(topo))  # before anything is written
+    check_room(root or topo.learner.checkpoint_root(), _estimate(topo))  # before anything is written
     t0 = time.time()
-    path = topo.learner.save_checkpoint(progress.step, extra)
+    path = topo.learner.save_checkpoint(progress.step, extra, **({"root": root} if root else {}))
     say(f"checkpoint {path} ({time.time() - t0:.1f}s)")
     return Path(path)
 
@@ -92,3 +93,4 @@ def _cursor(topo: Topology, run_dir: Path, indices: list[int], emergency: bool) 
 
         say(f"  coordinator gone ({type(exc).__name__}): cursor taken from its state file")
         return cursor_from_state_file(run_dir / "state" / "coordinator.json", indices)
+

@@ -25,6 +25,7 @@ commands are not durable: a ctl call in flight across a coordinator restart time
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -117,8 +118,14 @@ class Coordinator:
                  "next_command": next(self._ids)}
         self._ids = itertools.count(state["next_command"])
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_path)
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.state_path)
+        except OSError as exc:  # a full disk: the prompts' accounting lives on in memory; the next save retries
+            if exc.errno != errno.ENOSPC:
+                raise
+            self.counters["state_save_failed"] = self.counters.get("state_save_failed", 0) + 1
+            tmp.unlink(missing_ok=True)
 
     def _load(self, st: dict[str, Any]) -> None:
         self.stream.load_state_dict(st["stream"])
@@ -246,6 +253,11 @@ class Coordinator:
 
     def get_state(self) -> dict[str, Any]:
         return {"version": self.version, "admitting": self.admitting, "stopping": self.stopping}
+
+    def set_admitting(self, admitting: bool) -> None:
+        """Pause (False) or resume issuing prompts; the rollout loops idle while paused (a full disk)."""
+        self.admitting = bool(admitting) and not self.stopping
+        self._save()
 
     def set_stopping(self) -> None:
         self.stopping = True

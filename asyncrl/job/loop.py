@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
+from asyncrl.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full, remove_partial
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
+from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop
 from asyncrl.job.checkpoint import write_job_checkpoint
 from asyncrl.job.commands import run_queued
 from asyncrl.job.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
@@ -52,6 +54,10 @@ class Trainer:
         self.progress = Progress(step=step, version=version)
         self.learner_recovery = LearnerRecovery(cfg, topo, self.fleet, run_dir)
         self.services = ServiceWatch(cfg, topo)
+        self.failures = FailureWatch(self.fleet)  # reward / verifier failures said once, fatal ones stop the job
+        self.divergence = DivergenceWatch(cfg.learner.max_nonfinite_steps, run_dir / "checkpoints")
+        self.disk = DiskWatch(run_dir, cfg.trainer.min_free_disk_mb, cfg.trainer.disk_full_wait_s,
+                              lambda admitting: topo.coordinator.set_admitting.remote(admitting))
         self.lengths = GroupLengths()
         self.clock = StepClock()
         self.summary: dict[str, Any] = {}  # the evaluations before/after (summary.json)
@@ -86,6 +92,8 @@ class Trainer:
         while self.step < cfg.trainer.max_steps and not self.stop.requested and not self.stop_requested_by_ctl:
             try:
                 metrics = self.train_one_step()
+            except JobStop:
+                raise  # a named stop (asyncrl.failure_watch): nothing to recover
             except Exception as exc:  # noqa: BLE001 - a dead learner rank is recovered in the job if possible
                 if not self.learner_recovery.recover(exc, self.progress, self.logger):
                     raise
@@ -143,6 +151,7 @@ class Trainer:
         # Trained from here on: if the step fails before its row is logged, the error path logs it
         # (the learner's state includes it) and no checkpoint may list these prompts as pending.
         progress.mark_trained([m["prompt_index"] for m in metas])
+        self.divergence.observe(self.step + 1, learner_metrics)
         batch = batch_metrics(metas, lags, cfg.buffer.max_staleness)
         progress.pending_row = {**learner_metrics, **batch}
         progress.version = int(learner_metrics.get("train/version", self.version + 1))
@@ -177,8 +186,12 @@ class Trainer:
             left = deadline - time.time()
             if left <= 0 or self.stop.requested:
                 break
+            self.failures.check()  # a broken reward function stops the job now, not at the batch timeout
+            self.disk.check()  # a full disk pauses admission (its own limit replaces the batch timeout)
+            if self.disk.paused:
+                deadline = max(deadline, time.time() + 5.0)
             got = self.topo.learner.fetch(self.topo.buffer_address, num_groups - len(metas), self.version,
-                                          min(left, 30.0))
+                                          min(left, 5.0))
             fresh = [m for m in got if m["prompt_index"] not in self.progress.trained_recent]
             self.duplicates_dropped += len(got) - len(fresh)
             metas += fresh
@@ -221,13 +234,13 @@ class Trainer:
     def evaluate(self, split: str, tag: str) -> dict[str, Any]:
         return evaluate_on_fleet(self.cfg, self.fleet, self.version, self.run_dir, split, tag)
 
-    def checkpoint(self, emergency: bool = False) -> Path | None:
+    def checkpoint(self, emergency: bool = False, root: Path | None = None) -> Path | None:
         """The job's checkpoint; None when the disk has no room for it (said aloud, training goes
         on; on the error path the failure propagates to `stop_on_failure`, which says it)."""
         from asyncrl.learner.checkpoint import CheckpointNoRoom
 
         try:
-            return write_job_checkpoint(self.topo, self.run_dir, self.progress, len(self.fleet), emergency)
+            return write_job_checkpoint(self.topo, self.run_dir, self.progress, len(self.fleet), emergency, root)
         except CheckpointNoRoom as exc:
             if emergency:
                 raise
@@ -235,6 +248,18 @@ class Trainer:
             return None
 
     def on_failure(self, exc: BaseException) -> int:
-        """The job cannot go on (asyncrl.job.recovery.stop_on_failure); the exit status."""
+        """The job cannot go on (asyncrl.job.recovery.stop_on_failure); the exit status. A full disk behind
+        it: `DiskFull`, with the emergency checkpoint written elsewhere (asyncrl.disk_watch)."""
+        if is_disk_full(exc):
+            if not isinstance(exc, DiskFull):
+                from asyncrl.startup import one_line, root_cause
+
+                full = DiskFull(f"a write of the job failed on a full disk ({one_line(root_cause(exc), 300)})")
+                full.__cause__ = exc
+                exc = full
+            remove_partial(self.run_dir / "checkpoints")
+            root = emergency_root(self.cfg.trainer.emergency_dir, self.run_dir)
+            return stop_on_failure(exc, self.topo, self.run_dir, self.progress, self.logger,
+                                   lambda: self.checkpoint(emergency=True, root=root))
         return stop_on_failure(exc, self.topo, self.run_dir, self.progress, self.logger,
                                lambda: self.checkpoint(emergency=True))

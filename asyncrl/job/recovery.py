@@ -196,8 +196,11 @@ def stop_on_failure(exc: BaseException, topo: Topology, run_dir: Path, progress:
     status (3: restart with trainer.resume=auto)."""
     import traceback
 
+    from asyncrl.failure_watch import JobStop, stop_named
     from asyncrl.learner.checkpoint import latest_checkpoint
 
+    if isinstance(exc, JobStop):  # the job's own named reason (reward function, divergence, disk)
+        return stop_named(exc, run_dir, progress, logger, checkpoint)
     component, host, reason = describe_failure(topo, exc)
     log = run_dir / "error.log"
     log.write_text("".join(traceback.format_exception(exc)))

@@ -165,7 +165,24 @@ def resolve_lora_sync(cfg: Config) -> None:
 
 def run(cfg: Config) -> int:
     """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files).
-    Exit 2 when the model cannot hold the config (nothing started), else the job's status."""
+    Exit 2 when the run directory belongs to another live job or the model cannot hold the config
+    (nothing started), else the job's status."""
+    from asyncrl.run_lock import RunDirLocked, acquire, took_over_line
+
+    try:
+        lock = acquire(cfg.run_path)  # one job per run directory, held to the end (asyncrl.run_lock)
+    except RunDirLocked as exc:
+        echo(f"error: {exc}", err=True)
+        return 2
+    try:
+        if took_over_line(lock):
+            say(took_over_line(lock))
+        return _run_locked(cfg)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: Config) -> int:
     resolve_lora_sync(cfg)
     if not check_models(cfg):
         return 2
@@ -186,9 +203,14 @@ def run(cfg: Config) -> int:
 def _run_job(cfg: Config, run_dir: Path) -> int:
     import ray
 
+    from asyncrl.reaper import procs_dir, reap
+
     stop = StopFlag()
     namespace = f"asyncrl-{cfg.trainer.experiment_name}-{os.getpid()}"
     topo = None
+    left = reap(procs_dir(run_dir))  # a previous job on this run directory that died without cleaning up
+    if left:
+        say(f"ended {len(left)} process(es) an earlier job of {run_dir} left running: {', '.join(left)}")
     try:
         resume = find_resume(cfg, run_dir)
         rows = _load_rows_in_background(cfg)
@@ -232,6 +254,9 @@ def _run_job(cfg: Config, run_dir: Path) -> int:
             t0 = time.monotonic()
             ray.shutdown()
             logging.getLogger(__name__).info("ray.shutdown took %.2fs", time.monotonic() - t0)
+        left = reap(procs_dir(run_dir))  # what Ray's shutdown did not end (engine cores, stuck workers)
+        if left:
+            say(f"ended {len(left)} process(es) the job left running: {', '.join(left)}")
 
 
 def _load_rows_in_background(cfg: Config) -> threading.Thread:

@@ -253,10 +253,14 @@ def _start_buffer(topo: Topology, resume: Path | None, timeout: float) -> None:
     topo.buffer_address = ray.get(topo.buffer.start.remote(), timeout=timeout)
     topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
     say(f"  replay buffer listening at {topo.buffer_address}")
-    snap = resume / "buffer" / "groups.snapshot" if resume else None
-    if snap is not None and snap.exists():
-        restored = ray.get(topo.buffer.restore.remote(str(snap.resolve())), timeout=timeout)
-        say(f"  buffer restored from {snap}: {restored} group(s)")
+    if resume:  # a missing or damaged snapshot: its prompts are issued again, said with how many
+        from asyncrl.resume_snapshot import restore_buffer
+
+        buf, coord = topo.buffer, topo.coordinator
+        restore_buffer(resume / "buffer" / "groups.snapshot",
+                       lambda p: ray.get(buf.restore.remote(p), timeout=timeout),
+                       lambda: ray.get(buf.prompt_indices.remote(), timeout=timeout),
+                       lambda present: ray.get(coord.reissue_lost.remote(present), timeout=timeout))
 
 
 def _load_learner_state(topo: Topology, resume: Path | None) -> int:

@@ -367,11 +367,13 @@ class LearnerGroup:
     def checkpoint_root(self) -> Path:
         return self.cfg.run_path / "checkpoints"
 
-    def save_checkpoint(self, step: int | None = None, fill: Callable[[Path], None] | None = None) -> Path:
-        """Atomic `checkpoints/step_N` (N = current version by default); `fill(tmp)` may add the
-        buffer snapshot (`tmp/buffer/`) and `tmp/data_cursor.json` before the commit."""
+    def save_checkpoint(self, step: int | None = None, fill: Callable[[Path], None] | None = None,
+                        root: Path | None = None) -> Path:
+        """Atomic `checkpoints/step_N` (N = current version by default; under `root` instead, e.g. the
+        emergency directory when the run's disk is full); `fill(tmp)` may add the buffer snapshot
+        (`tmp/buffer/`) and `tmp/data_cursor.json` before the commit."""
         step = self.version if step is None else step
-        tmp = ckpt.begin(self.checkpoint_root(), step)
+        tmp = ckpt.begin(root or self.checkpoint_root(), step)
         self._all("save_checkpoint", str(tmp))
         if fill is not None:
             fill(tmp)

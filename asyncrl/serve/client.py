@@ -19,7 +19,7 @@ Guarantees (departures from Guided-GRPO's client, docs/guided_grpo.md#bug-http-c
   from the id, so a retry that reaches another replica samples the same reply.
 - An empty reply is a successful reply with empty text (the protocol decides what it means).
 Metrics (`metrics()`): `verifier/latency_ms_p50`, `verifier/latency_ms_p95` (successful calls,
-end to end), `verifier/error_rate`, `verifier/retries`, `verifier/requests`, `verifier/version`.
+end to end), `verifier/error_rate` (failed / ended calls), `verifier/retries`, `verifier/requests`, `verifier/version`.
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ class VerifierClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._latencies: deque[float] = deque(maxlen=4096)
         self.requests = self.errors = self.retries = 0
+        self.ended = 0  # calls that ended in this window (ok or error): error_rate's denominator
+        self.total_calls = self.total_errors = 0  # cumulative, for `health()`
+        self.last_error = ""
         self.version = ""
 
     @classmethod
@@ -179,15 +182,22 @@ class VerifierClient:
         out = {
             "verifier/latency_ms_p50": _percentile(lat, 0.50),
             "verifier/latency_ms_p95": _percentile(lat, 0.95),
-            "verifier/error_rate": self.errors / self.requests if self.requests else 0.0,
+            # of the calls that ENDED in this window (a call counts where it ends, so the rate is in [0, 1]
+            # even when calls straddle a reset, as in an outage where every call runs to its deadline)
+            "verifier/error_rate": self.errors / self.ended if self.ended else 0.0,
             "verifier/retries": self.retries,
             "verifier/requests": self.requests,
             "verifier/version": self.version,
         }
         if reset:
             self._latencies.clear()
-            self.requests = self.errors = self.retries = 0
+            self.requests = self.errors = self.retries = self.ended = 0
         return out
+
+    def health(self) -> dict[str, Any]:
+        """Cumulative calls ended and failed, and the last failure's message (the job's console line
+        on a verifier outage: asyncrl.failure_watch)."""
+        return {"calls": self.total_calls, "errors": self.total_errors, "last_error": self.last_error}
 
     async def aclose(self) -> None:
         if self._http is not None:
@@ -253,6 +263,8 @@ class VerifierClient:
     def _succeed(self, reply: dict[str, Any], rid: str, t0: float, attempts: int) -> VerifierResult:
         latency_ms = (time.monotonic() - t0) * 1000.0
         self._latencies.append(latency_ms)
+        self.ended += 1
+        self.total_calls += 1
         choice = reply["choices"][0]
         version = str(reply.get("version") or reply.get("system_fingerprint") or "")
         self.version = version or self.version
@@ -262,6 +274,10 @@ class VerifierClient:
 
     def _fail(self, rid: str, t0: float, attempts: int, error: str) -> VerifierResult:
         self.errors += 1
+        self.ended += 1
+        self.total_calls += 1
+        self.total_errors += 1
+        self.last_error = error
         return VerifierResult(False, "", self.version, (time.monotonic() - t0) * 1000.0, 0, error, "error",
                               attempts, rid)
 

@@ -60,3 +60,42 @@ def test_ctl_status_of_a_killed_job_shows_its_last_status_as_not_running(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert "not running" in proc.stdout and "7/10" in proc.stdout.replace(" ", "")
     assert f"the job of {run} is not running (last seen " in proc.stderr
+
+
+def _silent_listener() -> socket.socket:
+    """A port that accepts TCP connections and never answers: a dead job's Ray address that
+    something else now uses."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    return s
+
+
+@pytest.mark.parametrize("case", ["pid_reused", "other_host"])
+def test_ctl_answers_within_seconds_when_the_address_is_reused(tmp_path: Path, case: str) -> None:
+    """A job that died without cleaning up: its address now accepts connections but is not its Ray
+    cluster. Its launcher's pid reused by a later process is seen at once; a job of another host (pid
+    not checkable) is given up on after ctl's connect deadline, not Ray's minutes of retries."""
+    run = tmp_path / "run"
+    run.mkdir()
+    listener = _silent_listener()
+    later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (run / "job.json").write_text(json.dumps({
+            "ray_address": f"127.0.0.1:{listener.getsockname()[1]}", "namespace": "x", "coordinator": "coordinator",
+            "pid": later.pid, "host": socket.gethostname() if case == "pid_reused" else "node-gone",
+            "started": time.time() - 90}))
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "asyncrl.ctl", "stop", "--run-dir", str(run)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        later.kill()
+        later.wait()
+        listener.close()
+    assert proc.returncode == 2, proc.stderr
+    if case == "pid_reused":
+        assert "that pid now belongs to a process started later" in proc.stderr, proc.stderr
+    else:
+        assert "no answer from its Ray address" in proc.stderr and "within 15s" in proc.stderr, proc.stderr
+    assert took < 100, took  # generous for a loaded machine; Ray's own retries took >= 300 s

@@ -191,3 +191,28 @@ def test_percentile_nearest_rank():
     values = [float(i) for i in range(1, 21)]
     assert _percentile(values, 0.5) == 10.0 and _percentile(values, 0.95) == 19.0
     assert _percentile([], 0.5) == 0.0
+
+
+def test_error_rate_counts_what_ended_in_its_window_and_stays_within_0_1():
+    """Calls that straddle a `metrics(reset=True)` (a total outage: every call runs to its deadline)
+    are counted where they end: the window they end in reads 1.0, never 0.0 or above 1; `health()`
+    keeps cumulative counts and the last error for the job's console line."""
+    async def run():
+        server = Server("hang")
+        client = make_client(await server.start(), deadline_s=0.6)
+        calls = [asyncio.create_task(client.chat(MESSAGES, max_tokens=4, temperature=0, top_p=1)) for _ in range(4)]
+        await asyncio.sleep(0.2)
+        first = client.metrics(reset=True)  # 4 started, none ended yet
+        await asyncio.gather(*calls)
+        late = [asyncio.create_task(client.chat(MESSAGES, max_tokens=4, temperature=0, top_p=1))]
+        await asyncio.sleep(0.1)
+        second = client.metrics(reset=True)  # 4 ended (all failed), 1 started
+        await asyncio.gather(*late)
+        await client.aclose()
+        await server.stop()
+        return first, second, client.health()
+
+    first, second, health = asyncio.run(run())
+    assert first["verifier/error_rate"] == 0.0  # nothing ended in this window
+    assert second["verifier/error_rate"] == 1.0, second
+    assert health["calls"] == 5 and health["errors"] == 5 and "deadline" in health["last_error"]
