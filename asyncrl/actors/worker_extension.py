@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from asyncrl.weights.phases import add_phase
 from asyncrl.weights.receiver import RoundHook, WeightReceiver, readback_mismatches
 from asyncrl.weights.wire import NamedTensor
 
@@ -91,7 +92,9 @@ def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any]) ->
     receiver.hook.model_loaded(model)
     t = time.perf_counter()
     bad, checked = readback_mismatches(model, receiver.samples)
-    result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
+    readback_s = time.perf_counter() - t
+    result.update(readback_checked=checked, readback_s=readback_s)
+    add_phase(result, "readback", readback_s)
     if bad:
         log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
         result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
@@ -203,8 +206,24 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        """The round, then the device synchronize the base class does, both guarded: an error out
+        of either (a CUDA error from an earlier kernel surfaces at the synchronize) is recorded as
+        a failed round, never raised. Raised, vLLM's worker would mark the update inactive, its
+        `finish_weight_update` would refuse to run, and the layer-wise reload would never be
+        finalised: every layer left on the meta device or half-loaded."""
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":  # the base class synchronises any accelerator; CPU has none
+        try:
+            self._synchronize()
+        except Exception as exc:  # noqa: BLE001 - recorded; finish_weight_update still runs
+            log.error("weights (native): device error after the round: %s", exc)
+            receiver, result = self._round or (None, {})
+            result.update(status="failed", error=f"{type(exc).__name__}: {exc}", touched=True)
+            self._round = (receiver, result)
+
+    def _synchronize(self) -> None:
+        """Wait for the round's device work (the base class synchronises any accelerator; the CPU
+        has none)."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: AsyncrlUpdateInfo) -> None:
@@ -232,10 +251,12 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        t = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         retie_head(self.model)
         receiver, result = self._round or (None, {"status": "failed", "touched": False,
                                                   "error": "finish_weight_update without update_weights"})
+        add_phase(result, "finalize", time.perf_counter() - t)
         if receiver is not None:
             verify_load(self.model, receiver, result)
         self._round, self._result = None, result
