@@ -44,14 +44,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from asyncrl.weights.phases import add_phase
+from asyncrl.weights.phases import PhaseTimer, add_phase
 from asyncrl.weights.receiver import RoundHook, WeightReceiver, readback_mismatches
 from asyncrl.weights.wire import NamedTensor
 
 log = logging.getLogger(__name__)
 
 
-def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> None:
+def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor], timer: PhaseTimer | None = None) -> None:
     """Load checkpoint-format (HF-named) tensors into a running vLLM model in place, with vLLM's
     layer-wise reload, which ALWAYS finalises. vLLM 0.32's `reload_weights` runs initialise /
     `model.load_weights` / finalise without a `finally`: a round that fails mid-stream leaves every
@@ -64,13 +64,15 @@ def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> N
     reloads a full version before generating (`PolicyEngine._paused`), as on the native path."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+    timer = timer if timer is not None else PhaseTimer()
     try:
         model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     except BaseException:
         finalize_layerwise_reload(model_runner.get_model(), model_runner.model_config)
         raise
     finally:
-        retie_head(model_runner.get_model())
+        with timer.span("retie"):  # inside the receiver's `load` span: counted apart from it
+            retie_head(model_runner.get_model())
 
 
 def retie_head(model: Any) -> None:
@@ -128,7 +130,8 @@ class WeightReceiverExtension:
         part of the round: the caller must reload a full version before generating) and
         `fingerprint_mismatch` (tensors whose sampled elements disagree)."""
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
-        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
+        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it, receiver.timer),
+                                  buffered=buffered)
         result.pop("tensors", None)
         verify_load(self.model_runner.get_model(), receiver, result)
         return result
@@ -253,10 +256,12 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
 
         t = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        t_retie = time.perf_counter()
         retie_head(self.model)
         receiver, result = self._round or (None, {"status": "failed", "touched": False,
                                                   "error": "finish_weight_update without update_weights"})
-        add_phase(result, "finalize", time.perf_counter() - t)
+        add_phase(result, "finalize", t_retie - t)
+        add_phase(result, "retie", time.perf_counter() - t_retie)
         if receiver is not None:
             verify_load(self.model, receiver, result)
         self._round, self._result = None, result

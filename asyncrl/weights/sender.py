@@ -80,6 +80,9 @@ class _Sent:
 class WeightSender:
     """Rank-0 side of the weight group. Not thread-safe; one broadcast at a time.
 
+    `store_copy_overlap` (default True): the WeightStore's copy of a bucket is taken after the
+    bucket's broadcast is posted, beside its wire time; False takes it before (the benchmark's A/B).
+
     `cfg` is a `WeightSyncConfig` (bucket_mb, backend, timeout_s, host). `port=0` picks a free
     port; `address` is what receivers connect to. `publish=True` also puts a CPU copy of every
     broadcast into the `WeightStore` actor (`asyncrl.weights.store`; started by the topology)."""
@@ -118,6 +121,7 @@ class WeightSender:
         self.publish_mode = getattr(cfg, "publish_mode", "background")
         self.publish_every = max(1, int(getattr(cfg, "publish_every", 1)))
         self.publish_fn = publish_weights  # (buckets, version, store_name) -> None; tests swap it
+        self.store_copy_overlap = True
         self._publisher: threading.Thread | None = None
         self.publish_errors = 0
         self.last_publish: dict[str, Any] = {}
@@ -328,8 +332,9 @@ class WeightSender:
         """Packs and broadcasts the buckets, bucket i packed while bucket i-1 is on the wire, each
         under its own `timeout_s` deadline. After a failure (or with no members) the remaining
         buckets are still packed, and copied for the store, but not sent: the iterator must be
-        consumed to the end (ZeRO-3 gathers are collective across learner ranks). `timer` gets
-        the phases export / pack / store_copy / fingerprint / wire."""
+        consumed to the end (ZeRO-3 gathers are collective across learner ranks). The store copy
+        of a bucket is taken after its broadcast is posted, so it overlaps the bucket's wire time
+        instead of delaying it. `timer` gets the phases export / pack / store_copy / fingerprint / wire."""
         timer = timer if timer is not None else PhaseTimer(self.device)
         sent = _Sent()
         work = None  # the collective of the previous bucket (the Work object holds its tensor)
@@ -339,31 +344,23 @@ class WeightSender:
         # export = time inside the exporter's iterator; pack = the rest of pack_buckets (exclusive spans)
         buckets = timer.timed_iter("pack", pack_buckets(timer.timed_iter("export", weights), self.bucket_bytes),
                                    device=True)
+        side = torch.cuda.Stream(self.device) if self.device is not None and store_copy is not None else None
         for i, (manifest, flat) in enumerate(buckets):
             sent.nbytes += flat.numel() * flat.element_size()
             sent.nbuckets += 1
             if self.device is not None and flat.device != self.device:
                 with timer.span("pack", device=True):
                     flat = flat.to(self.device)
-            if store_copy is not None:
+            if store_copy is not None and not self.store_copy_overlap:  # the copy before the bucket goes out
                 with timer.span("store_copy", device=True):
                     store_copy.append((manifest, self.arena.copy(flat)))
-            if not members or sent.failed_at is not None:
-                continue
-            with timer.span("fingerprint", device=True):
-                sent.fingerprint.update(bucket_fingerprint(manifest, flat))
-            on_wire = i - 1
-            try:
-                with timer.span("wire"):
-                    if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
-                        wait_work(work, bucket_deadline)
-                    on_wire = i
-                    self.store.set(f"{rk}/h{i}", json.dumps(manifest))
-                    work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
-                    bucket_deadline = time.monotonic() + self.timeout_s
-            except Exception as exc:  # noqa: BLE001 - the watchdog path
-                sent.failed_at, work = on_wire, None
-                log.warning("weight sync: broadcast of bucket %d failed: %s", on_wire, exc)
+            if members and sent.failed_at is None:
+                work, bucket_deadline = self._send_bucket(i, manifest, flat, work, bucket_deadline, rk, sent, timer)
+            if store_copy is not None and self.store_copy_overlap:  # after it is posted: beside its wire time
+                with timer.span("store_copy", device=True):
+                    store_copy.append((manifest, self._store_copy(flat, side)))
+        if side is not None:  # the publisher's ready event is recorded on the current stream
+            torch.cuda.current_stream(self.device).wait_stream(side)
         if members and sent.failed_at is None:
             try:
                 if work is not None:
@@ -373,6 +370,38 @@ class WeightSender:
                 sent.failed_at = sent.nbuckets - 1
                 log.warning("weight sync: last bucket failed: %s", exc)
         return sent
+
+    def _send_bucket(self, i: int, manifest: dict[str, Any], flat: torch.Tensor, work: Any, deadline: float,
+                     rk: str, sent: _Sent, timer: PhaseTimer) -> tuple[Any, float]:
+        """Fingerprint bucket i, wait for bucket i-1's collective, write i's header and post its
+        broadcast; returns (its Work, its deadline). A failure marks `sent.failed_at`."""
+        with timer.span("fingerprint", device=True):
+            sent.fingerprint.update(bucket_fingerprint(manifest, flat))
+        on_wire = i - 1
+        try:
+            with timer.span("wire"):
+                if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
+                    wait_work(work, deadline)
+                on_wire = i
+                self.store.set(f"{rk}/h{i}", json.dumps(manifest))
+                work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
+                return work, time.monotonic() + self.timeout_s
+        except Exception as exc:  # noqa: BLE001 - the watchdog path
+            sent.failed_at = on_wire
+            log.warning("weight sync: broadcast of bucket %d failed: %s", on_wire, exc)
+            return None, 0.0
+
+    def _store_copy(self, flat: torch.Tensor, side: torch.cuda.Stream | None) -> torch.Tensor:
+        """The WeightStore's host copy of a bucket already posted to the wire (the collective only
+        reads it). On a GPU it is queued on a side stream, so neither the next bucket's packing nor
+        the broadcast waits behind the device-to-host copy."""
+        if side is None:
+            return self.arena.copy(flat)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = self.arena.copy(flat)
+        flat.record_stream(side)
+        return out
 
     def _end_round(
         self, members: list[str], rk: str, version: int, sent: _Sent, timer: PhaseTimer | None = None
