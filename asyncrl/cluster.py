@@ -12,7 +12,8 @@
   every node reads); every role then gets the same resolved path.
 - `probe_nodes()` / `shm_problems(cfg, probes)`: one zero-CPU task per alive node reports its
   IP, /dev/shm size, interfaces and interface variables; nodes that can host an engine or a
-  learner rank must have `cluster.min_shm_gb` of /dev/shm.
+  learner rank must have /dev/shm for the weight store's versions of this model (at least
+  `cluster.min_shm_gb`).
 """
 
 from __future__ import annotations
@@ -198,10 +199,41 @@ def hosts_engine_or_learner(cfg: Config, resources: dict[str, float]) -> bool:
     return False
 
 
+def weight_store_shm_bytes(cfg: Config) -> int:
+    """/dev/shm the weight sync needs on a node (0 when the model's config.json is not local yet):
+    the WeightStore's versions of what is synced (`asyncrl.weights.store.shm_bytes_needed`: the
+    newest + the next, and the chunks in transit; a fetching engine's node copies one version)."""
+    import json
+    from pathlib import Path
+
+    from asyncrl.learner import memory as mem
+    from asyncrl.weights.store import shm_bytes_needed
+
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    config = config.get("text_config") or config
+    try:
+        params = float(mem.lora_params(config, cfg.model.lora.rank, cfg.model.lora.target_modules)) \
+            if cfg.model.lora.enable else mem.shape_from_config(config).params
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return shm_bytes_needed(int(params * (2 if cfg.learner_precision == "bf16" else 4)))
+
+
 def shm_problems(cfg: Config, probes: list[dict[str, Any]]) -> list[str]:
-    need = cfg.cluster.min_shm_gb * GiB
+    """Nodes that can host an engine or a learner rank with less /dev/shm than the larger of
+    `cluster.min_shm_gb` and what the weight store needs for this model (`weight_store_shm_bytes`);
+    `cluster.min_shm_gb: 0` turns the check off."""
+    if not cfg.cluster.min_shm_gb:
+        return []
+    store = weight_store_shm_bytes(cfg)
+    need = max(cfg.cluster.min_shm_gb * GiB, store)
     return [f"node {p['ip']}: /dev/shm is {p['shm_bytes'] / 2**20:.0f} MiB, an engine or learner rank there needs "
-            f">= {cfg.cluster.min_shm_gb:g} GiB (cluster.min_shm_gb): mount a larger tmpfs on /dev/shm (Kubernetes: "
+            f">= {need / GiB:.2f} GiB (the larger of cluster.min_shm_gb and the weight store's "
+            f"{store / GiB:.2f} GiB for this model): mount a larger tmpfs on /dev/shm (Kubernetes: "
             "an emptyDir volume with medium: Memory; docker: --shm-size)"
             for p in probes if need and p["shm_bytes"] < need and hosts_engine_or_learner(cfg, p["resources"])]
 

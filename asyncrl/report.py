@@ -166,7 +166,56 @@ def plot_images(rows: list[dict[str, Any]], before: dict | None = None, after: d
         ax.tick_params(labelsize=7)
         fig.tight_layout()
         out.append(("Staleness histogram", _png(fig)))
+    means = sync_phase_means(rows)
+    if means:
+        out.append(("Weight sync by phase", _png(sync_phase_figure(plt, means))))
     return out
+
+
+SYNC_SIDES = (("send", "sender (learner)"), ("recv", "receiver (slowest actor)"), ("engine", "engine pause->resume"))
+SYNC_WHOLE = {"round", "total"}  # the round itself, not a phase of it
+
+
+def sync_phase_means(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean seconds per phase of the weight round over the steps that logged it, by side
+    (`perf/weight_sync/{side}_{phase}_s`, asyncrl.step_metrics.weight_sync_phases); the engine's
+    `round` is the receiver's whole round seen from outside, so it is left out of the engine's bar."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if not k.startswith("perf/weight_sync/") or _num(v) is None:
+                continue
+            side, _, phase = k[len("perf/weight_sync/"):-2].partition("_")
+            sums.setdefault(side, {}).setdefault(phase, []).append(float(v))
+    out = {}
+    for side, phases in sums.items():
+        skip = SYNC_WHOLE | ({"round"} if side == "engine" else set())
+        out[side] = {p: sum(vs) / len(vs) for p, vs in phases.items() if p not in skip}
+    return out
+
+
+def sync_phase_figure(plt: Any, means: dict[str, dict[str, float]]) -> Any:
+    """One horizontal stacked bar per side: where a weight round's seconds go."""
+    sides = [(s, label) for s, label in SYNC_SIDES if s in means]
+    fig, ax = plt.subplots(figsize=(7.5, 1.0 + 0.7 * len(sides)))
+    colors = plt.get_cmap("tab20").colors
+    seen: dict[str, Any] = {}
+    for y, (side, _) in enumerate(sides):
+        left = 0.0
+        for phase, sec in means[side].items():
+            if sec <= 0:
+                continue
+            color = seen.setdefault(phase, colors[len(seen) % len(colors)])
+            ax.barh(y, sec, left=left, color=color, label=phase if phase not in ax.get_legend_handles_labels()[1] else None)
+            left += sec
+    ax.set_yticks(range(len(sides)))
+    ax.set_yticklabels([label for _, label in sides], fontsize=7)
+    ax.set_xlabel("seconds per weight round (mean over steps)", fontsize=8)
+    ax.set_title("Weight sync by phase", fontsize=10)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * len(sides)))
+    fig.tight_layout()
+    return fig
 
 
 # ------------------------------------------------------------------------------------- html pieces

@@ -40,10 +40,15 @@ package or device SKIPS the stages that need it, never fails them):
      fp32 reference.
   S10 the store copy of a 7B bf16 model (15.2 GB) through the sender's pinned host arena: seconds
      and page-locked bytes per version, first and second version.
+  S11 asyncrl's weight-sync phases at Qwen2.5-7B bf16 shapes, timed with CUDA events
+     (`asyncrl.weights.phases`): pack, store copy, fingerprint, a one-rank NCCL broadcast, the
+     receive side's copies; the round with the store copy on the critical path, overlapped with
+     the wire (side stream), and off.
 
 Imports only the standard library, torch and asyncrl modules that import nothing else at import
 time; each stage imports what it needs and is skipped if that is missing. Writes
-`<out>/gpu_check-<date>-<device>.json` and a readable summary next to it (also printed).
+`<out>/gpu_check-<date>-<device>.json` and a readable summary next to it after EVERY stage (a
+lease that ends mid-run returns what ran) and prints each stage's figures as it finishes.
 """
 
 from __future__ import annotations
@@ -783,25 +788,148 @@ def s10_pinned_publish(args) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------------------- S11
+def qwen7b_tensors(dev: torch.device, scale: int = 1, layers: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Qwen2.5-7B's parameter shapes in bf16 (every dimension divided by `scale`), checkpoint
+    names, untied head: what a 7B learner exports for one weight round."""
+    h, i, v = QWEN7B["hidden_size"] // scale, QWEN7B["intermediate_size"] // scale, QWEN7B["vocab_size"] // scale
+    kv = 512 // scale
+    shapes = {"self_attn.q_proj.weight": (h, h), "self_attn.q_proj.bias": (h,), "self_attn.k_proj.weight": (kv, h),
+              "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
+              "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+              "mlp.down_proj.weight": (h, i), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    out = [("model.embed_tokens.weight", torch.empty(v, h, dtype=torch.bfloat16, device=dev).normal_())]
+    for layer in range(QWEN7B["num_hidden_layers"] if layers is None else layers):
+        out += [(f"model.layers.{layer}.{k}", torch.empty(sh, dtype=torch.bfloat16, device=dev).normal_())
+                for k, sh in shapes.items()]
+    out += [("model.norm.weight", torch.ones(h, dtype=torch.bfloat16, device=dev)),
+            ("lm_head.weight", torch.empty(v, h, dtype=torch.bfloat16, device=dev).normal_())]
+    return out
+
+
+def _phase_round(tensors, bucket_bytes: int, pg, arena, dev: torch.device, store_copy: str) -> dict[str, float]:
+    """One send + receive of `tensors` through asyncrl's own pieces, every phase timed with
+    `asyncrl.weights.phases.PhaseTimer` (CUDA events for device work on a GPU): pack
+    (`pack_buckets`), store copy (`HostArena.copy`), fingerprint (`bucket_fingerprint`), the wire
+    (a one-rank group's broadcast, bounded by `wait_work`), and the receive side's copies (the
+    bucket's buffer, the copy into the model's parameters, the fingerprint's samples).
+    `store_copy`: "critical" = before the bucket goes out, on the broadcast's stream (the sender
+    before this stage existed); "overlapped" = after it is posted, on a side stream (GPU); "off" =
+    no store copy (a version that is not published)."""
+    import torch.distributed as dist
+
+    from asyncrl.weights.group import wait_work
+    from asyncrl.weights.phases import PhaseTimer
+    from asyncrl.weights.wire import bucket_fingerprint, pack_buckets, sample_values, unpack_bucket
+
+    timer = PhaseTimer(dev if dev.type == "cuda" else None)
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" and store_copy == "overlapped" else None
+    arena.begin()
+    dest = {}
+    for manifest, flat in timer.timed_iter("pack", pack_buckets(tensors, bucket_bytes), device=True):
+        if store_copy == "critical":
+            with timer.span("store_copy", device=True):
+                arena.copy(flat)
+        with timer.span("fingerprint", device=True):
+            bucket_fingerprint(manifest, flat)
+        with timer.span("wire"):
+            work = pg.broadcast([flat], dist.BroadcastOptions())
+        if store_copy == "overlapped":
+            with timer.span("store_copy_overlapped"):  # host time to queue it; the copy runs beside the wire
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(side):
+                        arena.copy(flat)
+                        flat.record_stream(side)
+                else:
+                    arena.copy(flat)
+        with timer.span("wire"):
+            wait_work(work, time.monotonic() + 120)
+        with timer.span("recv_copies", device=True):  # the receiver: buffer, load into the model, samples
+            buf = torch.empty_like(flat)
+            buf.copy_(flat)
+            for name, view in unpack_bucket(manifest, buf):
+                target = dest.get(name)
+                if target is None:
+                    target = dest[name] = torch.empty_like(view)
+                target.copy_(view)
+                sample_values(name, view)
+    if side is not None:
+        with timer.span("store_copy_drain"):
+            side.synchronize()
+    _sync(dev)
+    timer.end()
+    return {k: round(v, 4) for k, v in timer.seconds().items()}
+
+
+def s11_sync_phases(args) -> dict[str, Any]:
+    """asyncrl's weight-sync phases at Qwen2.5-7B bf16 shapes on one device, with CUDA events: pack,
+    store copy, fingerprint, a one-rank NCCL broadcast, the receive side's copies; the round with
+    the store copy on the critical path, overlapped with the wire, and off. Dry mode: every shape
+    /8, 2 layers, gloo."""
+    from asyncrl.weights.group import abort_group, connect_group, make_group, make_store
+    from asyncrl.weights.store import HostArena
+
+    dev = torch.device("cpu") if args.cpu else _device(False)
+    tensors = qwen7b_tensors(dev, scale=8, layers=2) if args.cpu else qwen7b_tensors(dev)
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    bucket_bytes = (16 if args.cpu else 256) * 2**20  # the sender's bucket on gloo / NCCL (learner.weights)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    store = make_store("127.0.0.1", 0, is_master=True, timeout_s=60)
+    pg = connect_group(lambda: make_group(store, 1, 0, 1, backend, 60.0, dev if dev.type == "cuda" else None),
+                       dev if dev.type == "cuda" else None, time.monotonic() + 120, 300.0)
+    arena = HostArena(pin=dev.type == "cuda")
+    out: dict[str, Any] = {"model_bytes": nbytes, "tensors": len(tensors), "bucket_mb": bucket_bytes / 2**20,
+                           "backend": backend, "timer": "cuda events" if dev.type == "cuda" else "host"}
+    try:
+        _phase_round(tensors, bucket_bytes, pg, arena, dev, "critical")  # warm-up: arena size, communicator
+        for mode in ("critical", "overlapped", "off"):
+            out[f"store_copy_{mode}"] = _phase_round(tensors, bucket_bytes, pg, arena, dev, mode)
+    finally:
+        abort_group(pg)
+        arena.close()
+    rounds = {m: out[f"store_copy_{m}"]["round"] for m in ("critical", "overlapped", "off")}
+    out["round_s"] = rounds
+    out["gb_per_s_critical"] = nbytes / rounds["critical"] / 1e9
+    out["ok"] = all(r > 0 for r in rounds.values())
+    return out
+
+
 STAGES = {"S0": s0_probe, "S1": s1_kernels, "S2": s2_wire, "S3": s3_memory_model, "S4": s4_parity, "S5": s5_deepspeed,
           "S6": s6_nccl_failure, "S7": s7_learner_step, "S8": s8_left_padding, "S9": s9_grad_accumulation,
-          "S10": s10_pinned_publish}
+          "S10": s10_pinned_publish, "S11": s11_sync_phases}
+
+
+def stage_text(name: str, stage: dict[str, Any]) -> list[str]:
+    """A stage's status line and its figures, one per line."""
+    status = stage["status"]
+    detail = stage.get("reason") or stage.get("error", "")
+    lines = [f"  {name:<3} {STAGES[name].__name__.split('_', 1)[1]:<16} {status:<8} {stage['seconds']:7.1f}s  {detail}"]
+    fig = stage.get("result") or {}
+    for key, val in fig.items():
+        if key in ("recipes",):
+            for row in val:
+                lines.append(f"      recipe {json.dumps(row)}")
+        elif key != "ok":
+            lines.append(f"      {key}: {json.dumps(val) if not isinstance(val, str) else val}")
+    return lines
 
 
 def summary_text(result: dict[str, Any]) -> str:
     lines = [f"asyncrl gpu_check {result['date']} on {result['device']} (mode: {result['mode']})"]
     for name, stage in result["stages"].items():
-        status = stage["status"]
-        detail = stage.get("reason") or stage.get("error", "")
-        lines.append(f"  {name:<3} {STAGES[name].__name__.split('_', 1)[1]:<16} {status:<8} {stage['seconds']:7.1f}s  {detail}")
-        fig = stage.get("result") or {}
-        for key, val in fig.items():
-            if key in ("recipes",):
-                for row in val:
-                    lines.append(f"      recipe {json.dumps(row)}")
-            elif key != "ok":
-                lines.append(f"      {key}: {json.dumps(val) if not isinstance(val, str) else val}")
+        lines += stage_text(name, stage)
     return "\n".join(lines)
+
+
+def write_result(stem: Path, result: dict[str, Any]) -> None:
+    """The JSON and the summary as they stand (after every stage: a lease that ends mid-run keeps
+    what ran); each written to a temporary file and renamed, so a kill never leaves half a file."""
+    for suffix, text in ((".json", json.dumps(result, indent=2, default=str)), (".txt", summary_text(result) + "\n")):
+        path = stem.with_suffix(suffix)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -821,6 +949,11 @@ def main(argv: list[str] | None = None) -> int:
         target = Path(os.environ.get("TMPDIR", "/tmp")) / "asyncrl-gpu-check-site"
         result["wheelhouse"] = {"installed": install_wheelhouse(Path(args.wheelhouse), target),
                                 "target": str(target), "seconds": time.perf_counter() - t}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+    stem = out / f"gpu_check-{result['date'][:10]}-{slug}{'-dry' if args.cpu else ''}"
+    write_result(stem, result)
     for name in [s.strip() for s in args.stages.split(",") if s.strip()]:
         t = time.perf_counter()
         try:
@@ -832,14 +965,10 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         entry["seconds"] = time.perf_counter() - t
         result["stages"][name] = entry
+        write_result(stem, result)
         print(f"{name}: {entry['status']} ({entry['seconds']:.1f}s)", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-    stem = out / f"gpu_check-{result['date'][:10]}-{slug}{'-dry' if args.cpu else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+        print("\n".join(stage_text(name, entry)[1:]), flush=True)
     text = summary_text(result)
-    stem.with_suffix(".txt").write_text(text + "\n")
     print(text)
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.txt')}")
     return 1 if any(s["status"] == "failed" for s in result["stages"].values()) else 0

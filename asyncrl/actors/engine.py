@@ -272,7 +272,11 @@ class PolicyEngine:
             await self.llm.pause_generation(mode="keep", clear_cache=False)
             self._event("pause")
             await asyncio.sleep(0)  # let consumers drain chunks produced under the old version
+            t_pause = time.perf_counter()
             result = await self._guarded(load)
+            t_round = time.perf_counter()
+            # the engine's phases (asyncrl.weights.phases.ENGINE_PHASES)
+            phases = result["engine_phases"] = {"pause": t_pause - t0, "round": t_round - t_pause, "recover": 0.0}
             self.fingerprint_mismatches += int(result.get("fingerprint_mismatch") or 0)
             if result["status"] != "ok" and result.get("touched"):
                 self._event("load_failed")
@@ -281,6 +285,7 @@ class PolicyEngine:
                             result.get("error") or result["status"])
                 recovered = await self._recover_from_store()
                 result["recovered"] = recovered
+                phases["recover"] = time.perf_counter() - t_round
                 if recovered["status"] != "ok":
                     self.unsafe = True
                     result["seconds"] = time.perf_counter() - t0
@@ -297,10 +302,13 @@ class PolicyEngine:
                 if self.vl:  # vLLM bug: a cached image of the old weights -> "Encoder cache miss"
                     await self.llm.reset_mm_cache()
                     await self.llm.reset_encoder_cache()
+            t_resume = time.perf_counter()
+            phases["reset_cache"] = t_resume - t_round - phases["recover"]
             if not self.unsafe:
                 await self.llm.resume_generation()
                 self._event("resume")
             result["seconds"] = time.perf_counter() - t0
+            phases.update(resume=time.perf_counter() - t_resume, total=result["seconds"])
             return result
 
     @staticmethod

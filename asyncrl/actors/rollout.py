@@ -358,7 +358,8 @@ class RolloutWorker:
         mismatch = int(report.get("fingerprint_mismatch") or 0) + int((report.get("catch_up") or {}).get(
             "fingerprint_mismatch") or 0)
         return {"actor_id": self.actor_id, "version": self.engine.version, "seconds": time.time() - t0,
-                "status": report.get("status"), "catch_up": report.get("catch_up"), "fingerprint_mismatch": mismatch}
+                "status": report.get("status"), "catch_up": report.get("catch_up"), "fingerprint_mismatch": mismatch,
+                "phases": report.get("phases"), "engine_phases": report.get("engine_phases")}
 
     async def catch_up(self) -> dict[str, Any]:
         """Load the newest weights from the store (between_groups, dropped members, late joiners)."""

@@ -44,13 +44,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from asyncrl.weights.phases import PhaseTimer, add_phase
 from asyncrl.weights.receiver import RoundHook, WeightReceiver, readback_mismatches
 from asyncrl.weights.wire import NamedTensor
 
 log = logging.getLogger(__name__)
 
 
-def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> None:
+def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor], timer: PhaseTimer | None = None) -> None:
     """Load checkpoint-format (HF-named) tensors into a running vLLM model in place, with vLLM's
     layer-wise reload, which ALWAYS finalises. vLLM 0.32's `reload_weights` runs initialise /
     `model.load_weights` / finalise without a `finally`: a round that fails mid-stream leaves every
@@ -63,13 +64,15 @@ def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor]) -> N
     reloads a full version before generating (`PolicyEngine._paused`), as on the native path."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+    timer = timer if timer is not None else PhaseTimer()
     try:
         model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     except BaseException:
         finalize_layerwise_reload(model_runner.get_model(), model_runner.model_config)
         raise
     finally:
-        retie_head(model_runner.get_model())
+        with timer.span("retie"):  # inside the receiver's `load` span: counted apart from it
+            retie_head(model_runner.get_model())
 
 
 def retie_head(model: Any) -> None:
@@ -91,7 +94,9 @@ def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any]) ->
     receiver.hook.model_loaded(model)
     t = time.perf_counter()
     bad, checked = readback_mismatches(model, receiver.samples)
-    result.update(readback_checked=checked, readback_s=time.perf_counter() - t)
+    readback_s = time.perf_counter() - t
+    result.update(readback_checked=checked, readback_s=readback_s)
+    add_phase(result, "readback", readback_s)
     if bad:
         log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
         result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
@@ -125,7 +130,8 @@ class WeightReceiverExtension:
         part of the round: the caller must reload a full version before generating) and
         `fingerprint_mismatch` (tensors whose sampled elements disagree)."""
         receiver = self._asyncrl_receiver(address, prefix, timeout_s)
-        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it), buffered=buffered)
+        result = receiver.receive(lambda it: load_into_vllm_model(self.model_runner, it, receiver.timer),
+                                  buffered=buffered)
         result.pop("tensors", None)
         verify_load(self.model_runner.get_model(), receiver, result)
         return result
@@ -203,8 +209,24 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        """The round, then the device synchronize the base class does, both guarded: an error out
+        of either (a CUDA error from an earlier kernel surfaces at the synchronize) is recorded as
+        a failed round, never raised. Raised, vLLM's worker would mark the update inactive, its
+        `finish_weight_update` would refuse to run, and the layer-wise reload would never be
+        finalised: every layer left on the meta device or half-loaded."""
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":  # the base class synchronises any accelerator; CPU has none
+        try:
+            self._synchronize()
+        except Exception as exc:  # noqa: BLE001 - recorded; finish_weight_update still runs
+            log.error("weights (native): device error after the round: %s", exc)
+            receiver, result = self._round or (None, {})
+            result.update(status="failed", error=f"{type(exc).__name__}: {exc}", touched=True)
+            self._round = (receiver, result)
+
+    def _synchronize(self) -> None:
+        """Wait for the round's device work (the base class synchronises any accelerator; the CPU
+        has none)."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def receive_weights(self, update_info: AsyncrlUpdateInfo) -> None:
@@ -232,10 +254,14 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        t = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        t_retie = time.perf_counter()
         retie_head(self.model)
         receiver, result = self._round or (None, {"status": "failed", "touched": False,
                                                   "error": "finish_weight_update without update_weights"})
+        add_phase(result, "finalize", t_retie - t)
+        add_phase(result, "retie", time.perf_counter() - t_retie)
         if receiver is not None:
             verify_load(self.model, receiver, result)
         self._round, self._result = None, result

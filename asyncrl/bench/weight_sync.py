@@ -11,7 +11,9 @@ and flat run interleaved, 3 rounds (2 above 1 GiB); figures are best-of (medians
 because the shared machine's load spikes otherwise dominate. LoRA (`lora`): a rank-16 adapter on
 the same models against their full sync in the same run (bytes and seconds as ratios, the
 receiver's /dev/shm write included), and a Qwen2.5-7B rank-16 adapter's sync seconds;
-`--lora-only` runs that comparison alone.
+`--lora-only` runs that comparison alone. `--engine` adds (`--engine-only`: runs alone) the sync
+into a real vLLM engine built from `model.path` against its floor on both weight paths, every
+phase timed (asyncrl.bench.sync_floor).
 """
 
 from __future__ import annotations
@@ -252,6 +254,11 @@ def _interleaved(fns: list, repeats: int) -> list[dict[str, float]]:
 
 def add_args(parser: Any) -> None:
     parser.add_argument("--lora-only", action="store_true", help="only the LoRA adapter vs full sync comparison")
+    parser.add_argument("--engine", action="store_true",
+                        help="also the sync into a real vLLM engine (model.path) against its floor, both weight paths "
+                             "(asyncrl.bench.sync_floor)")
+    parser.add_argument("--engine-only", action="store_true", help="only the engine sync against its floor")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per path of --engine (best of)")
 
 
 def run(cfg: Any, args: Any) -> dict[str, Any]:
@@ -266,6 +273,8 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     repeats = 1 if smoke else 3
     if args.lora_only:
         return _lora_only(sizes, bucket_mb, repeats, smoke)
+    if getattr(args, "engine_only", False):
+        return _engine_floor(cfg, args)
     cases, sweep, version = [], [], 0
     rig = Rig(2, bucket_mb)
     try:
@@ -305,8 +314,20 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
              for s in sweep]
     rows += _lora_rows(lora)
     print_table("weight-sync", rows)
-    return {"ratio": headline["ratio"], "ratio_min": min(c["ratio"] for c in cases if c["params"] >= 10**6),
-            "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep, "lora": lora}
+    out = {"ratio": headline["ratio"], "ratio_min": min(c["ratio"] for c in cases if c["params"] >= 10**6),
+           "goal": 0.7, "smoke": smoke, "cases": cases, "bucket_sweep": sweep, "lora": lora}
+    if getattr(args, "engine", False):
+        out["engine_floor"] = _engine_floor(cfg, args)["engine_floor"]
+    return out
+
+
+def _engine_floor(cfg: Any, args: Any) -> dict[str, Any]:
+    from asyncrl.bench.sync_floor import floor_rows, run_engine_floor
+
+    res = run_engine_floor(cfg, rounds=1 if args.smoke else args.rounds)
+    print_table("weight-sync into a vLLM engine vs its floor", floor_rows(res))
+    return {"engine_floor": res, "ratio_extension": res["extension"]["ratio"], "ratio_native": res["native"]["ratio"],
+            "goal": 1.5}
 
 
 def _lora_only(sizes: list[tuple[str, dict[str, torch.Tensor]]], bucket_mb: float, repeats: int,

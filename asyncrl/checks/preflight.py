@@ -534,6 +534,7 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
                           logit_tokens=min(tokens, samples * (cfg.data.max_response_length + 1)),
                           reference=cfg.learner.kl.enable, gpu=False, adapter_params=adapter)
     from asyncrl.weights.adapter import sync_kind
+    from asyncrl.weights.store import shm_bytes_needed
 
     trainable = float(adapter) if adapter is not None else shape.params
     synced = trainable if adapter is not None and sync_kind(cfg) == "adapter" else shape.params
@@ -546,7 +547,7 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,
              # the store holds the current version while the next one is put (object store): at 20 of
              # Qwen2.5-0.5B's layers, accepted with one copy counted, Ray's monitor killed an actor
-             "weight store copy x2 (current + next)": int(2 * 4 * shape.params),
+             "weight store copy x2 (current + next)": shm_bytes_needed(int(sync_copy)),
              "driver and services": mem.CPU_RUNTIME_BYTES}
     budget = int(0.9 * machine_bytes)
     total = sum(parts.values())

@@ -22,13 +22,16 @@ STATUS_KEYS = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "r
                "buffer/in_flight", "buffer/admission_used", "buffer/admission_limit", "buffer/staleness_max",
                "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
 
+PHASE_PREFIX = "perf/weight_sync/"  # the weight round by phase (asyncrl.step_metrics.weight_sync_phases)
+
 
 def job_status(cfg: Any, fleet: Any, run_dir: Path, step: int, version: int, metrics: dict[str, Any], *,
                elapsed_s: float, eta_s: float | None) -> dict[str, Any]:
     """The status of a job after a learner step (`metrics`: that step's row)."""
     return {"step": step, "max_steps": cfg.trainer.max_steps, "rollout_actors": sorted(fleet.actors),
             "verifier_version": cfg.verifier.version, "run_dir": str(run_dir),
-            "latest": {k: metrics[k] for k in STATUS_KEYS if k in metrics}, "version": version,
+            "latest": {k: v for k, v in metrics.items() if k in STATUS_KEYS or k.startswith(PHASE_PREFIX)},
+            "version": version,
             "elapsed_s": elapsed_s, "eta_s": eta_s, "actors": fleet.status(), "pid": os.getpid(),
             "updated": time.time()}
 
@@ -65,6 +68,21 @@ def _duration(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def sync_phase_rows(latest: dict[str, Any], top: int = 5) -> list[tuple[str, str]]:
+    """One row per side of the weight round: its seconds and its largest phases."""
+    rows = []
+    for side, label, whole in (("send", "  sender", "round"), ("recv", "  receiver", "round"),
+                               ("engine", "  engine", "total")):
+        phases = {k[len(PHASE_PREFIX) + len(side) + 1:-2]: v for k, v in latest.items()
+                  if k.startswith(f"{PHASE_PREFIX}{side}_") and isinstance(v, (int, float))}
+        total = phases.pop(whole, None)
+        if total is None:
+            continue
+        big = sorted(((v, k) for k, v in phases.items() if v > 0), reverse=True)[:top]
+        rows.append((label, f"{total:.2f} s: " + ", ".join(f"{k} {v:.2f}" for v, k in big)))
+    return rows
+
+
 def format_status(status: dict[str, Any], *, now: float | None = None, running: bool = True) -> str:
     """A readable table of `status` (the dict `write_status` wrote or the coordinator holds)."""
     now = time.time() if now is None else now
@@ -96,6 +114,7 @@ def format_status(status: dict[str, Any], *, now: float | None = None, running: 
                      f"{_fmt(latest.get('verifier/latency_ms_p95'), '.1f')} ms, errors "
                      f"{_fmt(latest.get('verifier/error_rate'), '.3f')}"),
         ("weight sync", _fmt(latest.get("perf/weight_sync_s"), ".2f") + " s"),
+        *sync_phase_rows(latest),
     ]
     width = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]

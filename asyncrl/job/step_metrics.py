@@ -92,6 +92,7 @@ class StepClock:
             # parameters whose sampled fingerprint differed after a load (each was re-fed from the store)
             "weights/fingerprint_mismatch": sum(int(r.get("fingerprint_mismatch") or 0)
                                                 for r in (sync.get("actors") or {}).values() if isinstance(r, dict)),
+            **weight_sync_phases(sync),
         }
 
     def summary(self, wall_s: float) -> dict[str, Any]:
@@ -100,6 +101,20 @@ class StepClock:
         return {"wall_s": wall_s, "trained_tokens": t["trained_tokens"],
                 "trained_tokens_per_s": t["trained_tokens"] / max(wall_s, 1e-9),
                 "learner_wait_s": t["learner_wait_s"], "train_s": t["train_s"], "weight_sync_s": t["sync_s"]}
+
+
+def weight_sync_phases(sync: dict[str, Any]) -> dict[str, float]:
+    """`perf/weight_sync/{side}_{phase}_s`: the round by phase (`asyncrl.weights.phases`) on the
+    sender (`send_`), and on the receiver and engine of the slowest actor (`recv_`, `engine_`: the
+    one the step waited for). Each side also has `other_s` (time no phase covered) and `round_s`."""
+    report = sync.get("report") or {}
+    sides = [("send", report.get("phases"))]
+    actors = [r for r in (sync.get("actors") or {}).values() if isinstance(r, dict) and r.get("phases")]
+    if actors:
+        slowest = max(actors, key=lambda r: float(r.get("seconds") or 0.0))
+        sides += [("recv", slowest.get("phases")), ("engine", slowest.get("engine_phases"))]
+    return {f"perf/weight_sync/{side}_{name}_s": float(sec) for side, phases in sides
+            for name, sec in (phases or {}).items()}
 
 
 class GroupLengths:

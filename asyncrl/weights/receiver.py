@@ -40,6 +40,7 @@ from asyncrl.weights.group import (
     wait_work,
 )
 from asyncrl.weights.nccl_env import cumem_mismatch, nccl_cumem
+from asyncrl.weights.phases import PhaseTimer
 from asyncrl.weights.wire import (
     PREFIX,
     NamedTensor,
@@ -104,6 +105,7 @@ class WeightReceiver:
         self.version = -1
         self._requested_gen = -1
         self.samples = _Samples()  # sampled elements of the last round, by name
+        self.timer = PhaseTimer(self.device)  # the phases of the current (or last) round
         self.hook = hook if hook is not None else RoundHook()
 
     # ---- small store helpers ----------------------------------------------------------------
@@ -220,12 +222,15 @@ class WeightReceiver:
                 timeout_s: float | None = None, buffered: bool = True) -> dict[str, Any]:
         """Take part in the next broadcast round. `load` gets an iterator of (name, tensor); with
         `load=None` the tensors are returned under "tensors" (a LoRA adapter). Returns a plain dict:
-        status ("ok" | "not_member" | "timeout" | "failed"), version, seconds, bytes."""
-        t0 = time.perf_counter()
+        status ("ok" | "not_member" | "timeout" | "failed"), version, seconds, bytes, and `phases`
+        (seconds by `asyncrl.weights.phases.RECEIVER_PHASES`, plus `other` and `round`)."""
+        self.timer = timer = PhaseTimer(self.device)
+        t0 = timer.t0
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         result: dict[str, Any] = {"status": "ok", "version": self.version, "bytes": 0, "member": self.member_id}
         try:
-            entered = self._enter_round(deadline)
+            with timer.span("enter"):
+                entered = self._enter_round(deadline)
         except ReceiveTimeout as exc:
             log.warning("weight receiver %s: timed out waiting for %s", self.member_id, exc)
             self._reset()
@@ -242,14 +247,18 @@ class WeightReceiver:
             tensors = self._take_round(self._buckets(rk, stats), stats, load, buffered)
         except Exception as exc:  # noqa: BLE001 - a failed round: report, reset, caller falls back
             self._fail_round(rk, exc)
+            timer.end()
             result.update(status="failed", error=str(exc), seconds=time.perf_counter() - t0,
-                          touched=stats["touched"], fingerprint_mismatch=getattr(exc, "mismatches", 0))
+                          touched=stats["touched"], fingerprint_mismatch=getattr(exc, "mismatches", 0),
+                          phases=timer.seconds())
             return result
         self.seq = seq
         self.version = int(start["version"])
-        self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "1")
+        with timer.span("ack"):
+            self.store.set(f"{PREFIX}/{rk}/ack/{self.member_id}", "1")
+        timer.end()
         result.update(version=self.version, bytes=stats["bytes"], seconds=time.perf_counter() - t0,
-                      touched=stats["touched"], fingerprint_mismatch=0)
+                      touched=stats["touched"], fingerprint_mismatch=0, phases=timer.seconds())
         if load is None:
             result["tensors"] = tensors
         return result
@@ -272,21 +281,27 @@ class WeightReceiver:
                     load: Callable[[Iterator[NamedTensor]], Any] | None, buffered: bool) -> list[NamedTensor] | None:
         """Receive every bucket and hand the tensors to `load`: buffered, all of them after the
         round is complete and checked; streamed, as they arrive (then checked at the end).
-        Raises on a failed or incomplete round; returns the tensors when buffered."""
+        Raises on a failed or incomplete round; returns the tensors when buffered. Streamed, the
+        bucket phases (header_wait, wire, sample) run inside `load` and are not counted twice."""
+        timer = self.timer
         if buffered or load is None:
             tensors = [nt for bucket in buckets for nt in bucket]
             if stats["end"].get("failed"):
                 raise RuntimeError("sender reported a failed broadcast")
-            self._check_wire(stats["end"])
+            with timer.span("check"):
+                self._check_wire(stats["end"])
             if load is not None:
                 stats["touched"] = True
-                load(iter(tensors))
+                with timer.span("load", device=True):
+                    load(iter(tensors))
             return tensors
         stats["touched"] = True
-        load(nt for bucket in buckets for nt in bucket)
+        with timer.span("load", device=True):
+            load(nt for bucket in buckets for nt in bucket)
         if stats["end"] is None or stats["end"].get("failed"):
             raise RuntimeError("broadcast incomplete")
-        self._check_wire(stats["end"])
+        with timer.span("check"):
+            self._check_wire(stats["end"])
         return None
 
     def _fail_round(self, rk: str, exc: Exception) -> None:
@@ -311,22 +326,26 @@ class WeightReceiver:
         # The sender decides who failed (its deadline is timeout_s per collective, then a short
         # heartbeat grace); ours is a backstop for a dead sender, so it comes later.
         patience = 2 * self.timeout_s + 2
+        timer = self.timer
         i = 0
         while True:
-            header = self._wait_header(rk, i, time.monotonic() + patience)
+            with timer.span("header_wait"):
+                header = self._wait_header(rk, i, time.monotonic() + patience)
             if header.get("end"):
                 stats["end"] = header
                 return
-            buf = torch.empty(header["numel"], dtype=dtype_from_name(header["dtype"]), device=self.buffer_device)
-            wait_work(self.pg.broadcast([buf]), time.monotonic() + patience, tick=lambda: self._tick(rk))
-            # progress only once the data is here (the sender's straggler search relies on it)
-            self.store.set(f"{PREFIX}/{rk}/progress/{self.member_id}", str(i))
+            with timer.span("wire"):
+                buf = torch.empty(header["numel"], dtype=dtype_from_name(header["dtype"]), device=self.buffer_device)
+                wait_work(self.pg.broadcast([buf]), time.monotonic() + patience, tick=lambda: self._tick(rk))
+                # progress only once the data is here (the sender's straggler search relies on it)
+                self.store.set(f"{PREFIX}/{rk}/progress/{self.member_id}", str(i))
             stats["bytes"] += buf.numel() * buf.element_size()
             views = unpack_bucket(header, buf)
             self.hook.bucket_arrived(i, views)
-            for name, view in views:
-                self.samples[name] = sample_values(name, view)
-                self.samples.numels[name] = view.numel()
+            with timer.span("sample", device=True):
+                for name, view in views:
+                    self.samples[name] = sample_values(name, view)
+                    self.samples.numels[name] = view.numel()
             yield views
             self.hook.bucket_loaded(i)
             i += 1

@@ -36,6 +36,7 @@ from asyncrl.weights.group import (
     wait_work,
 )
 from asyncrl.weights.nccl_env import cumem_mismatch, nccl_cumem
+from asyncrl.weights.phases import PhaseTimer
 from asyncrl.weights.store import STORE_NAME, HostArena, publish_weights
 from asyncrl.weights.wire import PREFIX, WeightsInput, bucket_fingerprint, pack_buckets
 
@@ -59,6 +60,8 @@ class BroadcastReport:
     failed_at: int | None = None
     failure_handling_s: float | None = None
     """A failed round: seconds from the failure to the culprits being dropped."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds by phase (`asyncrl.weights.phases.SENDER_PHASES`, plus `other` and `round`)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -77,6 +80,9 @@ class _Sent:
 
 class WeightSender:
     """Rank-0 side of the weight group. Not thread-safe; one broadcast at a time.
+
+    `store_copy_overlap` (default True): the WeightStore's copy of a bucket is taken after the
+    bucket's broadcast is posted, beside its wire time; False takes it before (the benchmark's A/B).
 
     `cfg` is a `WeightSyncConfig` (bucket_mb, backend, timeout_s, host). `port=0` picks a free
     port; `address` is what receivers connect to. `publish=True` also puts a CPU copy of every
@@ -119,6 +125,7 @@ class WeightSender:
         self.publish_mode = getattr(cfg, "publish_mode", "background")
         self.publish_every = max(1, int(getattr(cfg, "publish_every", 1)))
         self.publish_fn = publish_weights  # (buckets, version, store_name) -> None; tests swap it
+        self.store_copy_overlap = True
         self._publisher: threading.Thread | None = None
         self.publish_errors = 0
         self.last_publish: dict[str, Any] = {}
@@ -271,27 +278,33 @@ class WeightSender:
         member; returns a report (who acked, who was dropped, seconds). Never raises for a
         member's failure; the iterator is always consumed to the end (ZeRO-3 gathers are
         collective across learner ranks)."""
-        t0 = time.perf_counter()
+        timer = PhaseTimer(self.device)
+        t0 = timer.t0
         dropped_before = self.dropped_total
         self.store.set(f"{PREFIX}/announce", str(version))
         self._absorb_join_requests()
         rebuilds = self._start_round(version)
+        timer.add("open", time.perf_counter() - t0)
         members = list(self.group_members)
         self._broadcasts += 1
         publishing = self.publish and (self._broadcasts - 1) % self.publish_every == 0
-        publish_wait_s = self._begin_store_copy() if publishing else 0.0
+        with timer.span("publish_wait"):
+            publish_wait_s = self._begin_store_copy() if publishing else 0.0
         store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None = [] if publishing else None
         rk = f"{PREFIX}/g{self.generation}/r{self.seq}"
-        sent = self._send_buckets(weights, members, rk, store_copy)
-        acked, failed_s = self._end_round(members, rk, version, sent) if members else ([], None)
+        sent = self._send_buckets(weights, members, rk, store_copy, timer)
+        acked, failed_s = self._end_round(members, rk, version, sent, timer) if members else ([], None)
         report = BroadcastReport(version=version, seconds=0.0, bytes=sent.nbytes, buckets=sent.nbuckets,
                                  members=members, acked=acked, rebuilds=rebuilds,
                                  dropped=list(self.dropped_ids[dropped_before:]))
         report.failed_at, report.failure_handling_s = sent.failed_at, failed_s
         if store_copy is not None:
-            tp = time.perf_counter()
-            self._start_publish(store_copy, version)
-            report.published, report.publish_wait_s = True, publish_wait_s + time.perf_counter() - tp
+            with timer.span("publish"):
+                tp = time.perf_counter()
+                self._start_publish(store_copy, version)
+                report.published, report.publish_wait_s = True, publish_wait_s + time.perf_counter() - tp
+        timer.end()
+        report.phases = timer.seconds()
         report.seconds = time.perf_counter() - t0
         return report
 
@@ -327,48 +340,84 @@ class WeightSender:
         return publish_wait_s
 
     def _send_buckets(self, weights: WeightsInput, members: list[str], rk: str,
-                      store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None) -> _Sent:
+                      store_copy: list[tuple[dict[str, Any], torch.Tensor]] | None,
+                      timer: PhaseTimer | None = None) -> _Sent:
         """Packs and broadcasts the buckets, bucket i packed while bucket i-1 is on the wire, each
         under its own `timeout_s` deadline. After a failure (or with no members) the remaining
         buckets are still packed, and copied for the store, but not sent: the iterator must be
-        consumed to the end (ZeRO-3 gathers are collective across learner ranks)."""
+        consumed to the end (ZeRO-3 gathers are collective across learner ranks). The store copy
+        of a bucket is taken after its broadcast is posted, so it overlaps the bucket's wire time
+        instead of delaying it. `timer` gets the phases export / pack / store_copy / fingerprint / wire."""
+        timer = timer if timer is not None else PhaseTimer(self.device)
         sent = _Sent()
         work = None  # the collective of the previous bucket (the Work object holds its tensor)
         bucket_deadline = 0.0
         if self.device is not None:
             torch.cuda.set_device(self.device)  # before the exporter's gathers and our sends
-        for i, (manifest, flat) in enumerate(pack_buckets(weights, self.bucket_bytes)):
+        # export = time inside the exporter's iterator; pack = the rest of pack_buckets (exclusive spans)
+        buckets = timer.timed_iter("pack", pack_buckets(timer.timed_iter("export", weights), self.bucket_bytes),
+                                   device=True)
+        side = torch.cuda.Stream(self.device) if self.device is not None and store_copy is not None else None
+        for i, (manifest, flat) in enumerate(buckets):
             sent.nbytes += flat.numel() * flat.element_size()
             sent.nbuckets += 1
             if self.device is not None and flat.device != self.device:
-                flat = flat.to(self.device)
-            if store_copy is not None:
-                store_copy.append((manifest, self.arena.copy(flat)))
-            if not members or sent.failed_at is not None:
-                continue
-            sent.fingerprint.update(bucket_fingerprint(manifest, flat))
-            on_wire = i - 1
-            try:
-                if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
-                    wait_work(work, bucket_deadline)
-                on_wire = i
-                self.store.set(f"{rk}/h{i}", json.dumps(manifest))
-                work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
-                bucket_deadline = time.monotonic() + self.timeout_s
-            except Exception as exc:  # noqa: BLE001 - the watchdog path
-                sent.failed_at, work = on_wire, None
-                log.warning("weight sync: broadcast of bucket %d failed: %s", on_wire, exc)
+                with timer.span("pack", device=True):
+                    flat = flat.to(self.device)
+            if store_copy is not None and not self.store_copy_overlap:  # the copy before the bucket goes out
+                with timer.span("store_copy", device=True):
+                    store_copy.append((manifest, self.arena.copy(flat)))
+            if members and sent.failed_at is None:
+                work, bucket_deadline = self._send_bucket(i, manifest, flat, work, bucket_deadline, rk, sent, timer)
+            if store_copy is not None and self.store_copy_overlap:  # after it is posted: beside its wire time
+                with timer.span("store_copy", device=True):
+                    store_copy.append((manifest, self._store_copy(flat, side)))
+        if side is not None:  # the publisher's ready event is recorded on the current stream
+            torch.cuda.current_stream(self.device).wait_stream(side)
         if members and sent.failed_at is None:
             try:
                 if work is not None:
-                    wait_work(work, bucket_deadline)
+                    with timer.span("wire"):
+                        wait_work(work, bucket_deadline)
             except Exception as exc:  # noqa: BLE001
                 sent.failed_at = sent.nbuckets - 1
                 log.warning("weight sync: last bucket failed: %s", exc)
         return sent
 
+    def _send_bucket(self, i: int, manifest: dict[str, Any], flat: torch.Tensor, work: Any, deadline: float,
+                     rk: str, sent: _Sent, timer: PhaseTimer) -> tuple[Any, float]:
+        """Fingerprint bucket i, wait for bucket i-1's collective, write i's header and post its
+        broadcast; returns (its Work, its deadline). A failure marks `sent.failed_at`."""
+        with timer.span("fingerprint", device=True):
+            sent.fingerprint.update(bucket_fingerprint(manifest, flat))
+        on_wire = i - 1
+        try:
+            with timer.span("wire"):
+                if work is not None:  # overlap: pack bucket i while bucket i-1 is on the wire
+                    wait_work(work, deadline)
+                on_wire = i
+                self.store.set(f"{rk}/h{i}", json.dumps(manifest))
+                work = self.pg.broadcast([flat], dist.BroadcastOptions())  # root 0 by default
+                return work, time.monotonic() + self.timeout_s
+        except Exception as exc:  # noqa: BLE001 - the watchdog path
+            sent.failed_at = on_wire
+            log.warning("weight sync: broadcast of bucket %d failed: %s", on_wire, exc)
+            return None, 0.0
+
+    def _store_copy(self, flat: torch.Tensor, side: torch.cuda.Stream | None) -> torch.Tensor:
+        """The WeightStore's host copy of a bucket already posted to the wire (the collective only
+        reads it). On a GPU it is queued on a side stream, so neither the next bucket's packing nor
+        the broadcast waits behind the device-to-host copy."""
+        if side is None:
+            return self.arena.copy(flat)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = self.arena.copy(flat)
+        flat.record_stream(side)
+        return out
+
     def _end_round(
-        self, members: list[str], rk: str, version: int, sent: _Sent
+        self, members: list[str], rk: str, version: int, sent: _Sent, timer: PhaseTimer | None = None
     ) -> tuple[list[str], float | None]:
         """Closes the round with its end header (bucket count, fingerprint), then collects the
         acks; members that nack or do not ack in `timeout_s` are dropped. After a failed bucket
@@ -389,12 +438,16 @@ class WeightSender:
             failed_s = time.monotonic() - t_fail
         end = {"end": True, "version": version, "buckets": sent.nbuckets, "failed": failed_at is not None,
                "fingerprint": sent.fingerprint}
+        timer = timer if timer is not None else PhaseTimer()
         # after a failure, members that got bucket `failed_at` wait for header failed_at + 1
-        self.store.set(f"{rk}/h{sent.nbuckets if failed_at is None else failed_at + 1}", json.dumps(end))
+        with timer.span("end"):
+            self.store.set(f"{rk}/h{sent.nbuckets if failed_at is None else failed_at + 1}", json.dumps(end))
         if failed_at is None:
-            missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members},
-                                      time.monotonic() + self.timeout_s)
-            missing += [m for m in members if m not in missing and self.store.get(f"{rk}/ack/{m}") != b"1"]  # nacks
+            with timer.span("ack_wait"):
+                missing = self._wait_keys({m: f"{rk}/ack/{m}" for m in members},
+                                          time.monotonic() + self.timeout_s)
+                # nacks
+                missing += [m for m in members if m not in missing and self.store.get(f"{rk}/ack/{m}") != b"1"]
             acked = [m for m in members if m not in missing]
         if missing:
             self._drop(missing, "hung in the weight broadcast" if failed_at is not None else "did not ack")

@@ -1,13 +1,23 @@
-"""The `WeightStore`: a named Ray actor holding the newest published weights (an ObjectRef to a
+"""The `WeightStore`: a named Ray actor holding the newest published weights (ObjectRefs to a
 CPU copy of the packed buckets, by version), for late joiners, restarted actors and dropped
 members.
 
 Ownership: the topology starts it explicitly (`start_weight_store`) before the learner and shuts
 it down with the job (`WeightStoreHandle.shutdown`). It is detached and found by name, so it
 outlives a learner rebuilt after a failure: the rebuilt sender publishes into the same store and
-engines keep fetching from it. Ray's serialization is fine here: the copy never leaves the cluster.
-`publish_weights` needs a started store; `fetch_weights` answers None while nothing newer than
-`min_version` has been published (including: no store).
+engines keep fetching from it. The published BYTES outlive the learner too: a Ray object dies
+with the process that `ray.put` it (its owner; Ray 2.60 has no `_owner=` to hand it over), so
+the learner never puts them itself: `publish_weights` passes the buckets to the store in chunks
+of about `CHUNK_BYTES` as call arguments (transient objects, freed once the call returns), and
+the store `ray.put`s each chunk itself. A version becomes visible only when its last chunk is in
+(`commit`), so a publisher that dies mid-way leaves the previous version in place.
+
+Memory: the store holds the newest version, plus the one being published until it is committed
+(`STORE_VERSIONS` versions), plus up to `IN_FLIGHT` chunks in transit, in the object store of its
+node; a fetch copies one version into the fetching node's object store (`shm_bytes_needed`).
+Ray's serialization is fine here: the copy never leaves the cluster. `publish_weights` needs a
+started store; `fetch_weights` answers None while nothing newer than `min_version` has been
+published (including: no store).
 """
 
 from __future__ import annotations
@@ -21,20 +31,43 @@ if TYPE_CHECKING:
 STORE_NAME = "WeightStore"
 
 
+STORE_VERSIONS = 2
+"""Versions the store's node holds at the peak: the newest, and the next until it is committed."""
+CHUNK_BYTES = 256 * 2**20
+"""Bytes of buckets per `stage` call (one transient argument object each)."""
+IN_FLIGHT = 2
+"""`stage` calls a publisher keeps in flight (chunks in transit at once)."""
+
+
 class WeightStore:
-    """The store actor's body: the newest version and the ObjectRef of its buckets."""
+    """The store actor's body: the newest committed version and the ObjectRefs of its chunks,
+    every one `ray.put` by this actor (so owned by it, not by the publisher)."""
 
     def __init__(self) -> None:
         self.version = -1
-        self.ref: Any = None
+        self.refs: list[Any] = []
+        self.staging: dict[int, list[Any]] = {}
 
-    def put(self, version: int, refs: list[Any]) -> int:
-        if version >= self.version:
-            self.version, self.ref = version, refs[0]
+    def stage(self, version: int, chunk: list[tuple[dict[str, Any], Any]]) -> int:
+        """Take one chunk of `version`'s buckets (a list of (manifest, uint8 array)) and own a
+        copy of it. Stale versions (older than the committed one) are ignored."""
+        import ray
+
+        if version > self.version:
+            self.staging.setdefault(version, []).append(ray.put(chunk))
+        return len(self.staging.get(version, []))
+
+    def commit(self, version: int, chunks: int) -> int:
+        """Make `version` the newest once all its `chunks` are staged; drops older staging."""
+        staged = self.staging.pop(version, [])
+        if version >= self.version and len(staged) == chunks:
+            self.version, self.refs = version, staged
+        for v in [v for v in self.staging if v <= self.version]:
+            del self.staging[v]
         return self.version
 
     def latest(self) -> tuple[int, list[Any]]:
-        return self.version, [self.ref] if self.ref is not None else []
+        return self.version, list(self.refs)
 
 
 class WeightStoreHandle:
@@ -152,18 +185,47 @@ class HostArena:
 
 
 
+def chunked(buckets: list[tuple[dict[str, Any], torch.Tensor]], chunk_bytes: int = CHUNK_BYTES
+            ) -> list[list[tuple[dict[str, Any], torch.Tensor]]]:
+    """Consecutive buckets grouped into chunks of about `chunk_bytes` (a larger bucket alone)."""
+    chunks: list[list[tuple[dict[str, Any], torch.Tensor]]] = []
+    size = chunk_bytes
+    for m, t in buckets:
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > chunk_bytes and (not chunks or chunks[-1]):
+            chunks.append([])
+            size = 0
+        chunks[-1].append((m, t))
+        size += nbytes
+    return chunks
+
+
 def publish_weights(buckets: list[tuple[dict[str, Any], torch.Tensor]], version: int,
                     name: str = STORE_NAME) -> None:
-    """Put a CPU copy of packed buckets into the object store and register it under `version`."""
+    """Hand a CPU copy of packed buckets to the store, chunk by chunk (the store owns what it
+    keeps), and commit them as `version`."""
     import ray
     import torch
 
     store = find_weight_store(name)
     if store is None:
         raise RuntimeError(f"no weight store named {name!r} is running: start it with start_weight_store()")
-    payload = [(m, t.contiguous().view(torch.uint8).numpy()) for m, t in buckets]
-    ref = ray.put(payload)
-    ray.get(store.put.remote(version, [ref]))
+    pending: list[Any] = []
+    chunks = chunked(buckets)
+    for chunk in chunks:
+        if len(pending) >= IN_FLIGHT:
+            ray.get(pending.pop(0))
+        pending.append(store.stage.remote(version, [(m, t.contiguous().view(torch.uint8).numpy()) for m, t in chunk]))
+    ray.get(pending)
+    committed = ray.get(store.commit.remote(version, len(chunks)))
+    if committed < version:
+        raise RuntimeError(f"the weight store did not take version {version} (it holds {committed})")
+
+
+def shm_bytes_needed(version_bytes: int) -> int:
+    """Object-store bytes the weight store's node needs for versions of `version_bytes`: the
+    newest and the next (`STORE_VERSIONS`) plus the chunks in transit."""
+    return STORE_VERSIONS * version_bytes + IN_FLIGHT * CHUNK_BYTES
 
 
 def fetch_weights(name: str = STORE_NAME, min_version: int = -1, timeout_s: float = 60.0
@@ -181,7 +243,7 @@ def fetch_weights(name: str = STORE_NAME, min_version: int = -1, timeout_s: floa
     version, refs = ray.get(store.latest.remote(), timeout=timeout_s)
     if version < 0 or version <= min_version:
         return None
-    payload = ray.get(refs[0], timeout=timeout_s)
+    payload = [bucket for chunk in ray.get(refs, timeout=timeout_s) for bucket in chunk]
     with warnings.catch_warnings():  # zero-copy views of read-only object-store memory; only read
         warnings.simplefilter("ignore", UserWarning)
         return version, [(m, torch.from_numpy(a).view(dtype_from_name(m["dtype"]))) for m, a in payload]

@@ -92,6 +92,26 @@ def test_shm_is_checked_where_engines_or_learner_ranks_can_run() -> None:
                         probes) == []
 
 
+def test_shm_minimum_follows_the_weight_store_of_the_model(tmp_path) -> None:
+    # Qwen2.5-0.5B's dimensions, fp32 learner (CPU): params = 151936*896 (tied) + 24 layers *
+    # (attention 896*14*64*2 + 896*2*64*2 + MLP 3*896*4864) = 136.1M + 24*15.4M = 0.494e9;
+    # a version = 4 B each = 1.98 GB; the store's node: 2 versions + 2 chunks of 256 MiB = 4.19 GiB
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True}))
+    from asyncrl.cluster import weight_store_shm_bytes
+
+    cfg = load_config(None, [f"model.path={tmp_path}", "cluster.min_shm_gb=1"])
+    need = weight_store_shm_bytes(cfg)
+    assert 4.1 * 2**30 < need < 4.3 * 2**30, need / 2**30
+    problems = shm_problems(cfg, [node(4, shm_gb=2)])  # 2 GiB would pass the flat 1 GiB minimum
+    assert len(problems) == 1 and "weight store's 4.1" in problems[0]
+    assert shm_problems(cfg, [node(4, shm_gb=4.5)]) == []
+    assert weight_store_shm_bytes(load_config(None, ["model.path=/nonexistent"])) == 0  # not local: min_shm_gb
+
+
 def test_interface_must_exist_on_every_node() -> None:
     cfg = load_config(None, ["cluster.network_interface=ib0"])
     problems = interface_problems(cfg, [node(2), node(2, ip="10.0.0.2")])

@@ -1,6 +1,7 @@
 """The `gpu` and `flash` extras of pyproject.toml resolve on PyPI: every exact pin names a release
 that exists and ships a file, every lower bound admits at least one release, and the CUDA stack's
-pins agree with each other (vLLM's own torch pin is what the CPU stack installs too).
+pins agree with each other (vLLM's own torch pin is what the CPU stack installs too); the gpu
+extra pins the DeepSpeed the GPU check carries, and requirements/lock-gpu.txt agrees with the extra.
 
 The checks read PyPI's JSON index (no download of the multi-hundred-MB vLLM wheel); without
 network access to PyPI the test is skipped with the reason, so a broken pin fails where PyPI is
@@ -39,7 +40,18 @@ def test_gpu_extra_is_pinned_and_has_no_source_only_packages():
     assert str(names["vllm"].specifier).startswith("==0.32."), "engine.py is written against vLLM 0.32"
     assert "flash-attn" not in names, "flash-attn builds from source against torch: keep it in the `flash` extra"
     ds = names["deepspeed"].specifier
-    assert ds and all(s.operator == ">=" for s in ds), "DeepSpeed needs a lower bound (managed_gradient_accumulation)"
+    wheelhouse = (PYPROJECT.parent / "scripts" / "gpu_wheelhouse.sh").read_text()
+    assert len(ds) == 1 and next(iter(ds)).operator == "==", "pin the DeepSpeed the GPU check exercises"
+    assert f'"deepspeed{ds}"' in wheelhouse, "the gpu extra and scripts/gpu_wheelhouse.sh name one DeepSpeed"
+    assert Version(next(iter(ds)).version) >= Version("0.19.4"), "managed_gradient_accumulation needs >= 0.19.4"
+
+
+def test_gpu_lock_agrees_with_the_gpu_extra():
+    lock = dict(line.split("==", 1) for line in (PYPROJECT.parent / "requirements" / "lock-gpu.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    for req in extra("gpu"):
+        assert req.name in lock and Version(lock[req.name]) in req.specifier, (req, lock.get(req.name))
+    assert lock["torch"] == "2.13.0" and lock["nvidia-cuda-runtime"].startswith("13.")  # CUDA 13: driver >= 580
 
 
 @pytest.mark.parametrize("extra_name", ["gpu", "flash"])
