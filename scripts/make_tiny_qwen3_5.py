@@ -5,7 +5,7 @@
 
 Shape (both): 4 text layers, hybrid as Qwen3.5 is: `layer_types` = 3 Gated DeltaNet
 (`linear_attention`) layers then 1 `full_attention` layer (transformers' default interval of 4);
-hidden 64, 4 query / 2 KV heads of 32 (vLLM's CPU attention kernel refuses head_dim 16: "Unsupported CPU attention configuration"), linear attention 2 key / 4 value heads of 16, conv kernel 4,
+hidden 64, 4 query / 2 KV heads of 64, linear attention 2 key / 4 value heads of 128 (Qwen3.5's own linear head size: vLLM's CPU GDN kernels refuse 16 ("multiples of 32") and 32 ("Unexpected head dim size"); its CPU attention refuses head_dim 16), conv kernel 4,
 MLP 128, untied embeddings (vLLM's CPU build does not refresh a tied head after a reload:
 MACHINE_NOTES), float32. `--vl` adds a 2-block vision tower (hidden 32, patch 16, merge 2) and saves
 `Qwen3_5ForConditionalGeneration` (how real Qwen3.5 checkpoints ship, text-only use included);
@@ -71,8 +71,8 @@ def build_tokenizer(out: Path):
 
 def text_config(tok) -> dict:
     return dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
-                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
                 layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=1024,
                 tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                 bos_token_id=None, dtype="float32")
