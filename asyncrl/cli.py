@@ -104,6 +104,6 @@ def conversion_summary(recipe: str, cfg: Config, conv: object, native: set[str] 
         lines.append("before/after evaluation: skipped (no data.test_files)")
     lines.append(f"asynchrony: buffer.max_staleness={cfg.buffer.max_staleness}, learner.off_policy.mode="
                  f"{cfg.learner.off_policy.mode} (the original is synchronous: buffer.max_staleness=0 reproduces it)")
-    lines.append(role_table(cfg, conv.recipe_gpus or None))
+    lines.append(role_table(cfg, conv.recipe_gpus or None, conv.tp_rule))
     message = conv.message()
     return "\n".join(lines + ([message] if message else []))

@@ -84,7 +84,7 @@ def migrate(recipe: str, overrides: list[str]) -> str:
     header = ["asyncrl job converted from a Guided-GRPO recipe (docs/guided_grpo.md#coming-from-guided-grpo).",
               f"Written by: {command}",
               "Run: python -m asyncrl.launch --config THIS_FILE   (the same experiment as the drop-in launch)", ""]
-    header += role_table(cfg, conv.recipe_gpus or None).split("\n")
+    header += role_table(cfg, conv.recipe_gpus or None, conv.tp_rule).split("\n")
     message = conv.message()
     if message:
         header += [""] + message.split("\n")

@@ -86,6 +86,13 @@ def retie_head(model: Any) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+CPU_REPACKED_SUFFIXES = (".linear_attn.conv1d.weight",)
+"""Parameters vLLM's CPU build repacks in place at load, keeping name and size but not layout, so
+the element-wise read-back cannot compare them (the wire fingerprint still covers them): Gated
+DeltaNet conv1d weights, packed for its C++ conv on AVX-512-BF16 / ARM-bf16 CPUs
+(`vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py`, vLLM 0.32)."""
+
+
 def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any]) -> None:
     """After an "ok" round: what the model holds against what arrived (`readback_mismatches`);
     a mismatch turns `result` into status "fingerprint_mismatch" with `touched` set."""
@@ -94,6 +101,8 @@ def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any]) ->
     receiver.hook.model_loaded(model)
     t = time.perf_counter()
     bad, checked = readback_mismatches(model, receiver.samples)
+    if bad and next(model.parameters()).device.type == "cpu":
+        bad = [n for n in bad if not n.endswith(CPU_REPACKED_SUFFIXES)]
     readback_s = time.perf_counter() - t
     result.update(readback_checked=checked, readback_s=readback_s)
     add_phase(result, "readback", readback_s)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from asyncrl.config.role_split import split_roles
+from asyncrl.config.role_split import split_for_model
 from asyncrl.config.sections import ConfigError
 from asyncrl.config.tree import set_dotted
 
@@ -286,6 +286,8 @@ class Conversion:
     notes: dict[str, dict[str, str]] = field(default_factory=lambda: {"ignored": {}, "changed": {}, "unsupported": {}})
     """Warned keys of the user's recipe, by group -> {key: why / what to do}."""
     recipe_gpus: int = 0
+    tp_rule: list[str] = field(default_factory=list)
+    """The rollout TP rule's arithmetic, printed under the role split table."""
 
     def set(self, key: str, value: Any, why: str | None = None) -> None:
         set_dotted(self.tree, key, value)
@@ -525,7 +527,12 @@ def _derive_roles(o: dict[str, Any], conv: Conversion, fixed: frozenset[str]) ->
     role_keys = {"learner.num_gpus", "rollout.num_actors", "rollout.gpus_per_actor"}
     if role_keys <= fixed:
         return  # the user sets the roles with asyncrl's keys
-    split = split_roles(nnodes, per_node, tp, local_verifier)
+    context = int(o.get("worker.rollout.max_model_len") or o["data.max_prompt_length"] + o["data.max_response_length"])
+    split, conv.tp_rule, changed = split_for_model(nnodes, per_node, tp, local_verifier,
+                                                   str(o.get("worker.actor.model.model_path") or ""),
+                                                   o.get("worker.rollout.dtype"), context)
+    if changed:
+        conv.warn("changed", "worker.rollout.tensor_parallel_size", changed)
     rule = f"role split of {nnodes} x {per_node} GPUs (docs/guided_grpo.md#role-split)"
     for key, value in split.asyncrl_keys.items():
         conv.set(key, value, rule)

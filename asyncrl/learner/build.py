@@ -122,6 +122,21 @@ class PolicyModels:
     ref_adapter_off: bool = False  # LoRA + KL: the reference is `model` with its adapter disabled
 
 
+def refuse_hybrid_lora(model: Any) -> None:
+    """LoRA on a policy with Gated DeltaNet layers (Qwen3.5, Qwen3-Next) is refused, by name: the
+    default targets (q/k/v/o and the MLP) would adapt only its full-attention layers (1 in 4), and
+    vLLM 0.32 serves adapters on the fused linear-attention projections (`in_proj_qkvz` =
+    in_proj_qkv + in_proj_z, `in_proj_ba` = in_proj_b + in_proj_a) only where its LoRA kernels run,
+    which has not been run here (docs/models.md#qwen35)."""
+    hybrid = sorted({n.split(".")[-2] for n, _ in model.named_parameters() if ".linear_attn." in n
+                     and n.endswith(".weight") and n.split(".")[-2].startswith(("in_proj", "out_proj"))})
+    if hybrid:
+        raise ValueError("model.lora.enable with a hybrid linear-attention policy (Gated DeltaNet layers: "
+                         f"{', '.join(hybrid)}): not supported; the default target modules would adapt only the "
+                         "full-attention layers and vLLM's LoRA on the fused linear-attention projections has not "
+                         "run here (docs/models.md#qwen35); train the full model (model.lora.enable=false)")
+
+
 def apply_lora(model: Any, lora: Any, base_path: str) -> Any:
     """Wrap `model` in a PEFT LoRA model (`model.lora`): the base is frozen, only `lora_A` /
     `lora_B` train. `lora_B` starts at zero (PEFT's default), so version 0 is the base model exactly
@@ -130,6 +145,7 @@ def apply_lora(model: Any, lora: Any, base_path: str) -> Any:
 
     from asyncrl.weights.adapter import adapter_config
 
+    refuse_hybrid_lora(model)
     conf = adapter_config(lora, base_path)
     peft_cfg = LoraConfig(r=conf["r"], lora_alpha=conf["lora_alpha"], lora_dropout=conf["lora_dropout"],
                           target_modules=conf["target_modules"], bias=conf["bias"], use_dora=conf["use_dora"],

@@ -23,6 +23,7 @@ class WeightExport:
     """The export half of `LearnerWorker` (a mixin: it reads the worker's DeepSpeed engine)."""
 
     engine: Any
+    cfg: Any
     lc: Any
     device: torch.device
     lora: bool
@@ -47,6 +48,13 @@ class WeightExport:
         items += [(n, b) for n, b in module.named_buffers() if n in persistent]
         if self.lora:  # merged: each base weight carries its adapter's delta (`_emit_bucket`)
             items = [(n, t) for n, t in items if not is_adapter_param(n)]
+        from asyncrl.weights.names import checkpoint_name_map
+
+        # the checkpoint's names, which the engine resolves (a text class on a multimodal checkpoint)
+        rename = checkpoint_name_map(self.cfg.model.path, [hf_param_name(n) for n, _ in items])
+        if rename("model.x") != "model.x":
+            items = [(n if self.lora else rename(n), t) for n, t in items]
+            self._checkpoint_rename = rename
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
 
@@ -100,7 +108,7 @@ class WeightExport:
                     value = value + layer.get_delta_weight("default").to(value.dtype)
                 elif zero3:
                     value = value.clone()
-                out.append((hf_param_name(name), value))
+                out.append((getattr(self, "_checkpoint_rename", str)(hf_param_name(name)), value))
         return out
 
     def _gathered(self, params: list[torch.Tensor]) -> Any:

@@ -12,9 +12,29 @@ from collections.abc import Callable
 TASKS = ("arith", "arith_vl")
 
 
+RULE_VARIANTS = ("arith_answer_only",)
+"""Rule verifiers that are not a task's oracle: `arith_answer_only` checks only the final answer and
+scores every step 1 (a deliberately weaker verifier, for comparing verifiers with asyncrl.rescore)."""
+
+
 def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
     if task in ("arith", "arith_vl"):  # arith_vl: the same rule verifier (it reads the figure's caption)
         from asyncrl.tasks.arith_verifier import ArithRuleVerifier
 
         return ArithRuleVerifier()
-    raise ValueError(f"no rule verifier for task {task!r}; known tasks: {', '.join(TASKS)}")
+    if task == "arith_answer_only":
+        from asyncrl.tasks.arith_verifier import ArithAnswerOnlyVerifier
+
+        return ArithAnswerOnlyVerifier()
+    raise ValueError(f"no rule verifier for task {task!r}; known: {', '.join(TASKS + RULE_VARIANTS)}")
+
+
+def get_step_checker(task: str) -> Callable[[str, list[str]], int | None] | None:
+    """The task's ground-truth step label, `(problem, policy turns so far) -> 1 (the latest turn is
+    sound) | 0 (it errs) | None (a correct final answer: nothing to label)`, or None when the task
+    has no checker. For arith the rule verifier's verdict is exact (it evaluates the expression)."""
+    if task in ("arith", "arith_vl"):
+        from asyncrl.tasks.arith_verifier import verify_turns
+
+        return lambda problem, turns: verify_turns(problem, turns).score
+    return None

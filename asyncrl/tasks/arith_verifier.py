@@ -156,3 +156,21 @@ class ArithRuleVerifier:
     def __call__(self, messages: list[dict]) -> str:
         problem, reference, turns = parse_verifier_request(messages)
         return verify_turns(problem, turns, reference).text
+
+
+class ArithAnswerOnlyVerifier:
+    """A deliberately weaker rule (task name `arith_answer_only`): it reads only the final answer.
+    Every turn without one is scored 1 and told to go on; a correct boxed answer is STOP, a wrong
+    one scored 0. It never flags a wrong step, which is what `asyncrl.rescore` shows against the
+    oracle (docs/rescore.md)."""
+
+    name = "arith-answer-only"
+
+    def __call__(self, messages: list[dict]) -> str:
+        problem, _, turns = parse_verifier_request(messages)
+        last = turns[-1] if turns else ""
+        if has_final_answer(last):
+            if boxed_value(last) == str(evaluate(problem_expr(problem))):
+                return STOP
+            return "Error: the final answer is wrong. What is it?\n[SCORE] hallucination_detect=0"
+        return "Go on with the next step. What is it?\n[SCORE] hallucination_detect=1"

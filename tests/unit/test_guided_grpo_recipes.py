@@ -5,7 +5,11 @@ run by bash with `python3` captured, so its real override list is used) resolves
 batches (PPO mini-batches), steps (epochs), GPUs (the role split, all of them, never a CPU
 learner), evaluation data and algorithm keys (GSPO, DAPO filtering, REINFORCE++, CISPO); asyncrl
 keys after the recipe win; bad input (a misspelt original key, a non-divisor batch, a GPU count
-the split cannot serve) exits 2 naming the key; `asyncrl.migrate` round-trips every script."""
+the split cannot serve) exits 2 naming the key; `asyncrl.migrate` round-trips every script.
+The four node-wide-TP shapes (tests/fixtures/guided_grpo/node_wide_tp: TP 2 on 2 GPUs for a 3B/4B VL
+model, TP 8 on 8 for a 30B/32B one) resolve to a split that uses every GPU with the rollout TP
+narrowed by the memory rule, the change stated and its arithmetic printed; a model whose size is
+unknown offline keeps the refusal, with the split the rule would choose for stated sizes."""
 
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ from asyncrl.migrate import migrate
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "tests" / "fixtures" / "guided_grpo"  # the original's examples/ under its LICENSE
 SCRIPTS = sorted(p.name for p in (RECIPES / "examples").glob("*.sh"))
+NODE_WIDE_TP = sorted(p.name for p in (RECIPES / "node_wide_tp").glob("*.sh"))
 
 
-def script_args(name: str, tmp_path: Path) -> list[str]:
+def script_args(name: str, tmp_path: Path, folder: str = "examples") -> list[str]:
     """The arguments the script passes to `python3 -m verl.trainer.main`, captured by running it
     with a `python3` on PATH that records its argv (variables, conditionals and all)."""
     shim = tmp_path / "bin"
@@ -36,7 +41,7 @@ def script_args(name: str, tmp_path: Path) -> list[str]:
     out = tmp_path / f"{name}.argv"
     env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "ARGV_OUT": str(out),
            "CHECKPOINT_SAVE": "/ckpt"}
-    subprocess.run(["bash", f"examples/{name}"], cwd=RECIPES, env=env, check=True, capture_output=True, timeout=30)
+    subprocess.run(["bash", f"{folder}/{name}"], cwd=RECIPES, env=env, check=True, capture_output=True, timeout=30)
     argv = out.read_text().split("\0")[:-1]
     assert argv[:2] == ["-m", "verl.trainer.main"], argv
     return argv[2:]
@@ -314,8 +319,6 @@ def test_roles_beyond_the_recipe_gpus_are_refused() -> None:
     ("trainer.n_gpu_per_node=8", ["did you mean 'trainer.n_gpus_per_node' (Guided-GRPO)"]),
     ("worker.actor.global_batch_size=100", ["data.rollout_batch_size=512 is not a multiple of "
                                             "worker.actor.global_batch_size=100"]),
-    ("trainer.n_gpus_per_node=2", ["trainer.nnodes x trainer.n_gpus_per_node = 1 x 2 = 2 GPUs",
-                                   "worker.rollout.tensor_parallel_size=2", "cannot be split"]),
     ("worker.rollout.tensor_parallel_size=16", ["one rollout engine would span nodes"]),
     ("algorithm.adv_estimator=gae", ["algorithm.adv_estimator='gae': asyncrl has no critic"]),
     ("trainer.val_only=true", ["trainer.val_only=True", "python -m asyncrl.eval"]),
@@ -328,6 +331,57 @@ def test_bad_input_exits_2_naming_the_key(override: str, needles: list[str]) -> 
     assert "Traceback" not in proc.stderr
     for needle in needles:
         assert needle in proc.stderr
+
+
+# ------------------------------------------------------------------------- node-wide rollout TP
+# (GPUs, learner, engines, TP, change) each shape resolves to, by the rule of asyncrl.config.role_split
+# (80 GB x 0.9 = 72 GB per engine GPU, 4 GB overhead, KV of 64 sequences x 4096 tokens, bf16):
+NODE_WIDE_EXPECTED = {
+    # 3.75B x 2 B = 7.5 GB; KV 36 layers x 2 heads x 128 x 2 (K, V) x 2 B = 36 KiB/token:
+    # TP 1: 72 - 7.5 - 4 = 60.5 GB / (36 KiB x 4096) = 400 sequences >= 64 -> TP 1; learner 1, 1 engine
+    "qwen2_5_vl_3b_geo3k_grpo.sh": (2, 1, 1, 1, "rollout TP 2 -> 1"),
+    # 4.44B -> 8.9 GB; KV 36 x 8 x 128 x 2 x 2 = 144 KiB/token: 72 - 8.9 - 4 = 59.1 GB / 576 MiB = 97 >= 64
+    "qwen3_vl_4b_geo3k_grpo.sh": (2, 1, 1, 1, "rollout TP 2 -> 1"),
+    # 33.45B -> 66.9 GB; KV 64 x 8 x 128 x 2 x 2 = 256 KiB/token: TP 1: 72 - 66.9 - 4 = 1.1 GB -> 1 sequence;
+    # TP 2: 72 - 33.4 - 4 = 34.6 GB / (128 KiB x 4096 = 0.537 GB) = 64.4 >= 64 -> TP 2 (near the bound: a
+    # larger overhead or KV_SEQS gives TP 4); learner 4, 2 engines
+    "qwen2_5_vl_32b_geo3k_grpo.sh": (8, 4, 2, 2, "rollout TP 8 -> 2"),
+    # 31.07B -> 62.1 GB; KV 48 x 4 x 128 x 2 x 2 = 96 KiB/token: TP 1: 72 - 62.1 - 4 = 5.9 GB -> 14 < 64;
+    # TP 2: 72 - 31.1 - 4 = 36.9 GB / (48 KiB x 4096) = 183 >= 64 -> TP 2; learner 4, 2 engines
+    "qwen3_vl_30b_a3b_geo3k_grpo.sh": (8, 4, 2, 2, "rollout TP 8 -> 2"),
+}
+
+
+@pytest.mark.parametrize("name", NODE_WIDE_TP)
+def test_node_wide_tp_recipe_narrows_the_rollout_tp(name: str, tmp_path: Path) -> None:
+    total, learner, engines, tp, change = NODE_WIDE_EXPECTED[name]
+    cfg, err = resolved(script_args(name, tmp_path, "node_wide_tp"))
+    assert roles(cfg) == (learner, engines, tp, 0) and learner + engines * tp == total  # every GPU
+    assert f"worker.rollout.tensor_parallel_size: {change} because" in err  # in the grouped message
+    assert err.index("changed meaning") < err.index(change)
+    assert f"-> TP {tp}, the smallest admitted" in err and "72 GB - weights" in err  # arithmetic in the table
+    assert f"role split: {total} GPU(s) of the recipe's {total}" in err
+
+
+def test_node_wide_tp_too_big_for_one_gpu() -> None:
+    """Qwen3-32B on 2 GPUs at TP 2: one GPU cannot hold its 65.5 GB of weights and 64 sequences of KV
+    (72 - 65.5 - 4 = 2.5 GB), and TP 2 leaves no learner GPU: refused with the arithmetic."""
+    proc = launch(["config=examples/config.yaml", "trainer.n_gpus_per_node=2",
+                   "worker.actor.model.model_path=Qwen/Qwen3-32B"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "cannot be split" in proc.stderr and "no narrower TP serves Qwen/Qwen3-32B" in proc.stderr
+    assert "TP 1: 80 x 0.9 = 72 GB - weights 65.5/1" in proc.stderr and "(< 64)" in proc.stderr
+
+
+def test_unknown_model_size_keeps_the_refusal_with_the_split_for_stated_sizes() -> None:
+    proc = launch(["config=examples/config.yaml", "trainer.n_gpus_per_node=2",
+                   "worker.actor.model.model_path=acme/mystery-7b"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    for needle in ("trainer.nnodes x trainer.n_gpus_per_node = 1 x 2 = 2 GPUs", "cannot be split",
+                   "the size of 'acme/mystery-7b' is unknown offline",
+                   "8B (as Qwen/Qwen2.5-7B-Instruct): TP 1, learner 1 GPU(s), 1 engine(s)",
+                   "33B (as Qwen/Qwen3-32B): none (needs TP 2)"):
+        assert needle in proc.stderr, proc.stderr
 
 
 def test_misspelt_key_in_the_recipe_file(tmp_path: Path) -> None:
