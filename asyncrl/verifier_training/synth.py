@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"prompts: {spec} has no rows")
     if cfg.verifier.backend == "vllm" and (why := check_vllm_checkpoint(cfg.verifier.model_path)):
         fail(f"teacher verifier.model_path: {why}")
+    from asyncrl.runtime import check_models
+
+    if not check_models(cfg):  # the launcher's model checks: the teacher's endpoint or checkpoint, the policy
+        print(f"error: teacher {teacher_name(cfg)} or the policy failed the checks above", file=sys.stderr)
+        return 2
     out = Path(args.out)
     progress = out / "progress.json"
     if progress.exists():

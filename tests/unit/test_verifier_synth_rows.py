@@ -146,6 +146,18 @@ def test_a_teacher_checkpoint_vllm_cannot_load_exits_2_naming_it(tmp_path: Path)
     assert r.returncode == 2 and str(bad / "config.json") in r.stderr and "NoSuchForCausalLM" in r.stderr
 
 
+def test_an_unreachable_teacher_exits_2_naming_its_endpoint(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    r = _synth("--config", "configs/verifier/synth_arith.yaml", "--out", str(tmp_path / "o"), "--limit", "2",
+               "verifier.backend=http", f"verifier.http.base_url={url}")
+    assert r.returncode == 2 and url in r.stderr and "connection refused" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("key", ["synth.filters.nope=1", "synth.samples_per_prompt=0"])
 def test_bad_synth_keys_exit_2(tmp_path: Path, key: str) -> None:
     r = _synth("--config", "configs/verifier/synth_arith.yaml", "--out", str(tmp_path / "o"), key)
