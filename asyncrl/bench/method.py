@@ -226,12 +226,13 @@ def summarize(results: list[dict[str, Any]], p: dict[str, Any]) -> dict[str, Any
 def print_grid(summary: dict[str, Any], cells: list[str]) -> None:
     print("\n== method: accuracy (mean over seeds ± SE across seeds) ==")
     print(f"{'arm':16}" + "".join(f"{c:>18}" for c in cells) + f"{'train wall s':>14}")
+    def fmt(row: dict[str, Any], c: str) -> str:
+        a, se = row[c]["accuracy"], row[c]["accuracy_se_seeds"]
+        return "-" if a is None else f"{a:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
     for arm, row in summary.items():
-        def fmt(c: str) -> str:
-            a, se = row[c]["accuracy"], row[c]["accuracy_se_seeds"]
-            return "-" if a is None else f"{a:.3f}" + (f" ± {se:.3f}" if se is not None else "")
         wall = row.get("train_wall_s")
-        print(f"{arm:16}" + "".join(f"{fmt(c):>18}" for c in cells) + f"{(f'{wall:.0f}' if wall else '-'):>14}")
+        print(f"{arm:16}" + "".join(f"{fmt(row, c):>18}" for c in cells) + f"{(f'{wall:.0f}' if wall else '-'):>14}")
 
 
 def plan(cfg: Config, args: Any) -> dict[str, Any]:

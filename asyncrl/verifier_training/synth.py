@@ -183,7 +183,7 @@ def _run_on_fleet(cfg: Any, scfg: SynthConfig, todo: list[tuple[int, list[dict]]
     from tqdm import tqdm
 
     from asyncrl.logs import console, echo, quiet_console
-    from asyncrl.runtime import prepare_run_dir, preflight, ray_init
+    from asyncrl.runtime import preflight, prepare_run_dir, ray_init
     from asyncrl.startup import StartupError
 
     cfg.trainer.run_dir = str((out / "job").resolve())
