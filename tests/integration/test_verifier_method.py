@@ -39,7 +39,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-SYNTH = [sys.executable, "-m", "asyncrl.synth", "--config", "configs/verifier/synth_arith.yaml", "--limit", "16",
+SYNTH = [sys.executable, "-m", "asyncrl.synth", "--config", "configs/verifier/synth_arith.yaml", "--limit", "48",
          "synth.chunk_prompts=4", "synth.samples_per_prompt=2", "synth.heldout_fraction=0.25"]
 
 
@@ -63,27 +63,28 @@ def test_synthesis_killed_after_a_chunk_resumes_without_duplicates(tmp_path: Pat
     from asyncrl.verifier_training.rows import CHECKERS
 
     out = tmp_path / "data"
-    proc = subprocess.Popen([*SYNTH, "--out", str(out)], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    first_log = tmp_path / "first.log"
+    with open(first_log, "w") as log:
+        proc = subprocess.Popen([*SYNTH, "--out", str(out)], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 400
         while time.time() < deadline:
             prog = out / "progress.json"
             if prog.exists() and json.loads(prog.read_text())["done"]:
                 break
-            assert proc.poll() is None, "synthesis ended before it could be killed"
-            time.sleep(0.5)
+            assert proc.poll() is None, f"synthesis ended before it could be killed:\n{first_log.read_text()[-3000:]}"
+            time.sleep(0.1)
         else:
             raise AssertionError("no chunk finished in 400 s")
     finally:
         _kill_tree(proc.pid)
         proc.wait(timeout=60)
     done_before = len(json.loads((out / "progress.json").read_text())["done"])
-    assert 1 <= done_before < 4
+    assert 1 <= done_before < 12
     second = subprocess.run([*SYNTH, "--out", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"{done_before}/4 chunks already done" in second.stderr
+    assert f"{done_before}/12 chunks already done" in second.stderr
     rows = [json.loads(ln) for ln in (out / "rows.jsonl").read_text().splitlines()]
     ids = [r["id"] for r in rows]
     assert rows and len(ids) == len(set(ids))
@@ -140,6 +141,7 @@ def test_sft_lowers_the_loss_and_the_vllm_backend_serves_it_in_the_grammar(tmp_p
     from asyncrl.config import VerifierConfig
     from asyncrl.serve.backends import VLLMVerifier
 
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # in this process: vLLM's CPU default reserves 92 % of RAM
     cfg = VerifierConfig(backend="vllm", model_path=str(ckpt), version="sft-test", dtype="float32",
                          max_model_len=1024).model_dump()
 
