@@ -139,10 +139,13 @@ def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode
                       max_turns: int = 4, max_tokens: int = 64, temperature: float = 0.0,
                       max_prompt_length: int | None = 256,
                       return_conversations: bool = False,
-                      rewrite: Callable[[Any, list[int]], list[int]] | None = None) -> dict:
+                      rewrite: Callable[[Any, list[int]], list[int]] | None = None,
+                      verify_batch: Callable[[list[list[dict]]], list[str]] | None = None) -> dict:
     """Lock-step turns over all conversations with an offline `vllm.LLM` (one batched call per turn).
     `rewrite(conversation, token_ids) -> token_ids` (analysis only) may replace a generated turn
-    before the conversation sees it, e.g. to measure the ceiling of a behaviour."""
+    before the conversation sees it, e.g. to measure the ceiling of a behaviour. `verify_batch`
+    (guided mode) replaces the task's rule verifier: the requests of one turn in, the replies out
+    (a learned verifier answering them as one batch; asyncrl.bench.method)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -156,8 +159,12 @@ def evaluate_with_llm(llm: Any, tokenizer: Any, rows: Sequence[dict], mode: Mode
         if not steps:
             break
         gen = [(c, s) for c, s in steps if isinstance(s, GenerateStep)]
-        for c, s in steps:
-            if not isinstance(s, GenerateStep):
+        asks = [(c, s) for c, s in steps if not isinstance(s, GenerateStep)]
+        if asks and verify_batch is not None and mode == "guided":
+            for (c, _), reply in zip(asks, verify_batch([s.messages for _, s in asks]), strict=True):
+                c.on_verified(reply)
+        else:
+            for c, s in asks:
                 c.on_verified(verify(s.messages))
         if gen:
             # No per-request seed: on vLLM's CPU build a seeded request whose prefill is chunked

@@ -407,6 +407,26 @@ class RolloutWorker:
             rows = [make_item(rows, i, self.cfg.data, i, "eval").to_dict() for i in range(len(rows))]
         return await evaluate_rows(self.cfg, rows, self.engine, self.verifier, chat=self.chat, mode=mode, vl=self.vl)
 
+    async def synthesize(self, items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+        """Verifier SFT synthesis (asyncrl.verifier_training.synth): `n` training-mode conversations
+        per stream item against the job's verifier service (the teacher), each as a plain record
+        with every verifier request and reply (`verifier_training.rows.conversation_record`).
+        Nothing is scored or pushed; the coordinator and the buffer are not involved."""
+        from asyncrl.actors.group import run_guided_group
+        from asyncrl.actors.guided import GroupDropped
+        from asyncrl.verifier_training.rows import conversation_record
+
+        async def one(item: dict[str, Any]) -> list[dict[str, Any]]:
+            try:
+                convs = await run_guided_group(self.cfg, item, self.engine, self.verifier, chat=self.chat,
+                                               training=True, n=n)
+            except GroupDropped as exc:  # on_error=drop_group: its conversations are still reported
+                convs = exc.conversations
+            return [conversation_record(c, i) for i, c in enumerate(convs)]
+
+        groups = await asyncio.gather(*(one(it) for it in items))
+        return [rec for g in groups for rec in g]
+
     def stats(self) -> dict[str, Any]:
         """Rollout metrics since the previous call (rates) and over recent groups (means)."""
         now = time.time()

@@ -20,7 +20,7 @@ from types import ModuleType
 
 from asyncrl.cli import add_config_args, config_from_args, fail
 
-SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence", "trl", "scale",
+SCENARIOS = ["buffer", "weight-sync", "learner", "rollout", "e2e", "sweep", "simulate", "convergence", "trl", "scale", "method",
              "startup"]
 MODEL_SCENARIOS = ("rollout",)  # the others build no engine from model.path, or go through asyncrl.job.runtime.run
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"

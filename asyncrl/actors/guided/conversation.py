@@ -120,6 +120,9 @@ class PolicyTurn:
     dropped_turns: int = 0
     """Oldest turns left out of `prompt_ids` for the prompt budget (history=full: policy turns)."""
     reply: VerifierReply | None = None
+    verifier_request: list[dict[str, str]] | None = None
+    """The chat messages the verifier was sent about this turn, exactly (verifier SFT data,
+    asyncrl.verifier_training)."""
     verifier_text: str | None = None
     verifier_version: str | None = None
     verifier_error: str | None = None
@@ -220,7 +223,9 @@ class Conversation:
             return None
         turn = len(self.turns)
         if self._awaiting == "verify":
-            return VerifyStep(self._verifier_messages(), turn - 1)
+            messages = self._verifier_messages()
+            self.turns[-1].verifier_request = messages
+            return VerifyStep(messages, turn - 1)
         if self._pending_prompt is None:
             prompt, dropped = self._build_prompt()
             if prompt is None:
