@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-TASKS = ("arith", "arith_vl")
+TASKS = ("arith", "arith_vl", "mathds")
 
 
 def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
@@ -17,4 +17,28 @@ def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
         from asyncrl.tasks.arith_verifier import ArithRuleVerifier
 
         return ArithRuleVerifier()
+    if task == "mathds":
+        from asyncrl.tasks.mathds_verifier import MathdsRuleVerifier
+
+        return MathdsRuleVerifier()
     raise ValueError(f"no rule verifier for task {task!r}; known tasks: {', '.join(TASKS)}")
+
+
+def get_answer_check(task: str) -> Callable[[str | None, str], bool]:
+    """`(predicted, reference) -> correct` for a task's evaluation: exact value for `mathds`
+    (`-7/2` == `-3.5`), the stripped strings otherwise."""
+    if task == "mathds":
+        from asyncrl.tasks.mathds import answers_match
+
+        return answers_match
+    return lambda predicted, reference: (predicted or "").strip() == str(reference).strip()
+
+
+def get_turn_verifier(task: str) -> Callable[..., object]:
+    """`verify_turns(problem, policy_turns)` of a task (a verdict with `.score`), for scoring solver-only
+    conversations after the fact."""
+    if task == "mathds":
+        from asyncrl.tasks.mathds_verifier import verify_turns
+    else:
+        from asyncrl.tasks.arith_verifier import verify_turns
+    return verify_turns
