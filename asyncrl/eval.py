@@ -99,7 +99,7 @@ def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: 
 
     verify_turns, matches = get_turn_verifier(task), get_answer_check(task)
     n = len(convs)
-    correct = [matches(_boxed(c.final_text), str(r["answer"])) for c, r in zip(convs, rows, strict=True)]
+    correct = [matches(c.final_text, str(r["answer"])) for c, r in zip(convs, rows, strict=True)]
     turns = [c.num_turns for c in convs]
     pol_tok = [sum(len(t.token_ids) for t in c.turns) for c in convs]
     ver_tok = [sum(len(tokenizer.encode(t.verifier_text or "", add_special_tokens=False)) for t in c.turns

@@ -24,14 +24,16 @@ def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
     raise ValueError(f"no rule verifier for task {task!r}; known tasks: {', '.join(TASKS)}")
 
 
-def get_answer_check(task: str) -> Callable[[str | None, str], bool]:
-    """`(predicted, reference) -> correct` for a task's evaluation: exact value for `mathds`
-    (`-7/2` == `-3.5`), the stripped strings otherwise."""
+def get_answer_check(task: str) -> Callable[[str, str], bool]:
+    """`(final policy text, reference) -> correct` for a task's evaluation: the last `\\boxed{}` equal in
+    value for `mathds` (`-7/2` == `-3.5` == `-\\frac{7}{2}`), the stripped boxed string otherwise."""
     if task == "mathds":
-        from asyncrl.tasks.mathds import answers_match
+        from asyncrl.tasks.mathds_verifier import final_answer_correct
 
-        return answers_match
-    return lambda predicted, reference: (predicted or "").strip() == str(reference).strip()
+        return final_answer_correct
+    from asyncrl.tasks.arith_verifier import boxed_value
+
+    return lambda text, reference: (boxed_value(text) or "").strip() == str(reference).strip()
 
 
 def get_turn_verifier(task: str) -> Callable[..., object]:

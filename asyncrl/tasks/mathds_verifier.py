@@ -34,28 +34,30 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from asyncrl.actors.guided.verifier_io import has_final_answer
-from asyncrl.tasks.arith_verifier import STOP, boxed_value, parse_verifier_request
+from asyncrl.tasks.arith_verifier import STOP, parse_verifier_request
 from asyncrl.tasks.mathds import parse_number
 
 _NUM = r"\d+(?:\.\d+)?|\.\d+"
 _TOKEN_RE = re.compile(rf"\s*({_NUM}|[-+*/()])")
 _ANSWER_ATTEMPT_RE = re.compile(r"answer|boxed", re.IGNORECASE)
 _RHS = r"-?\(?-?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?\)?"
-_STEP_RE = re.compile(rf"([0-9.(\-][0-9.\s+\-*/()]*?)\s*=\s*({_RHS})(?![\d.]*\s*[-+*/]\s*[\d(])")
-_PHRASES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(rf"^What is (?:the )?(?:distance|difference) between (?P<p>{{n}}) and (?P<q>{{n}})\??$"), "abs"),
-    (re.compile(r"^What is (?P<q>{n}) less than (?P<p>{n})\??$"), "-"),
-    (re.compile(r"^Subtract (?P<q>{n}) from (?P<p>{n})\.?$"), "-"),
-    (re.compile(r"^What is (?P<p>{n}) (?:minus|take away) (?P<q>{n})\??$"), "-"),
-    (re.compile(r"^(?:What is )?(?P<p>{n}) plus (?P<q>{n})\??$"), "+"),
-    (re.compile(r"^(?:Add|Add together|Put together|Sum|Total of) (?P<p>{n}) and (?P<q>{n})\.?$"), "+"),
-    (re.compile(r"^(?:Multiply|Product of|What is the product of) (?P<p>{n}) and (?P<q>{n})[.?]?$"), "*"),
-    (re.compile(r"^(?:What is )?(?P<p>{n}) times (?P<q>{n})\??$"), "*"),
-    (re.compile(r"^Divide (?P<p>{n}) by (?P<q>{n})\.?$"), "/"),
-    (re.compile(r"^(?:What is |Calculate )?(?P<p>{n}) divided by (?P<q>{n})[.?]?$"), "/"),
-]
+_STEP_RE = re.compile(rf"([0-9.(\-][0-9. \t+\-*/()]*?)[ \t]*=[ \t]*({_RHS})(?![\d.]*[ \t]*[-+*/][ \t]*[\d(])")
+"""`lhs = rhs` within one line; an rhs followed by an operator is the start of a longer expression,
+not a result."""
 _SIGNED = r"-?(?:\d+(?:\.\d+)?|\.\d+)"
-_PHRASES = [(re.compile(p.pattern.replace("{n}", _SIGNED)), op) for p, op in _PHRASES]
+_PHRASE_TEMPLATES: list[tuple[str, str]] = [  # the dataset's templates (modules/arithmetic.py); {n} a signed number
+    (r"^What is (?:the )?(?:distance|difference) between (?P<p>{n}) and (?P<q>{n})\??$", "abs"),
+    (r"^What is (?P<q>{n}) less than (?P<p>{n})\??$", "-"),
+    (r"^Subtract (?P<q>{n}) from (?P<p>{n})\.?$", "-"),
+    (r"^What is (?P<p>{n}) (?:minus|take away) (?P<q>{n})\??$", "-"),
+    (r"^(?:What is )?(?P<p>{n}) plus (?P<q>{n})\??$", "+"),
+    (r"^(?:Add|Add together|Put together|Sum|Total of) (?P<p>{n}) and (?P<q>{n})\.?$", "+"),
+    (r"^(?:Multiply|Product of|What is the product of) (?P<p>{n}) and (?P<q>{n})[.?]?$", "*"),
+    (r"^(?:What is )?(?P<p>{n}) times (?P<q>{n})\??$", "*"),
+    (r"^Divide (?P<p>{n}) by (?P<q>{n})\.?$", "/"),
+    (r"^(?:What is |Calculate )?(?P<p>{n}) divided by (?P<q>{n})[.?]?$", "/"),
+]
+_PHRASES = [(re.compile(t.replace("{n}", _SIGNED)), op) for t, op in _PHRASE_TEMPLATES]
 _LEAD_RE = re.compile(r"^(?:What is the value of|What is|Evaluate|Calculate|Work out|Compute)\s+", re.IGNORECASE)
 
 
@@ -153,11 +155,11 @@ def problem_expression(problem: str) -> ProblemExpr:
         if m:
             p, r = m.group("p"), m.group("q")
             text = f"{p} - {_paren(r)}" if op in ("-", "abs") else f"{p} {op} {_paren(r)}"
+            if op == "/" and Fraction(r) == 0:
+                raise UnparsableProblem(f"division by zero in problem: {q!r}")
             value = evaluate(text)
             if op == "abs":
                 text, value = f"|{text}|", abs(value)
-            if op == "/" and Fraction(r) == 0:
-                raise UnparsableProblem(f"division by zero in problem: {q!r}")
             return ProblemExpr(text, value, frozenset(abs(x) for x in numbers_in(text)))
     body = _LEAD_RE.sub("", q).rstrip(".?").strip()
     try:
@@ -235,8 +237,21 @@ def _fmt(x: Fraction) -> str:
     return s if Fraction(s) == x else f"{x.numerator}/{x.denominator}"
 
 
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}`, braces matched (so `\\boxed{\\frac{7}{2}}` is whole)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip()
+    return None
+
+
 def _boxed_number(text: str) -> Fraction | None:
-    b = boxed_value(text)
+    b = last_boxed(text)
     if b is None:
         return None
     b = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", b).replace("$", "").replace("\\!", "")
@@ -248,6 +263,12 @@ def _boxed_number(text: str) -> Fraction | None:
         return evaluate(b) if re.fullmatch(r"[-+\d./()\s]+", b) else None
     except (ValueError, ZeroDivisionError):
         return None
+
+
+def final_answer_correct(text: str, reference: str) -> bool:
+    """The last `\\boxed{}` of `text` equals `reference` in value (evaluation's accuracy)."""
+    v, r = _boxed_number(text), parse_number(reference)
+    return v is not None and r is not None and v == r
 
 
 def verify_turns(problem: str, policy_turns: list[str], reference: str | None = None) -> Verdict:
