@@ -42,9 +42,13 @@ EXTRAPOLATION = {"add_or_sub": "add_or_sub_big", "add_sub_multiple": "add_sub_mu
                  "mul": "mul_big", "div": "div_big", "mixed": "mixed_longer",
                  "mul_div_multiple": "mul_div_multiple_longer"}
 DIFFICULTIES = {"easy": 0, "medium": 1, "hard": 2}
+"""The dataset's own train levels; a number f in (0, 1] instead takes the lowest fraction f of each
+module's entropy range (easier than `easy` below 1/3: smaller numbers, fewer decimals)."""
 SPLITS = ("train", "validation", "interpolation", "extrapolation")
-INSTRUCTION = ("Work step by step, one operation per line written as `a op b = c`. "
-               "End with the final answer as <answer>\\boxed{N}</answer>.")
+INSTRUCTION = ("Solve it step by step, one operation per line as a op b = c, then write the final answer "
+               "as <answer>\\boxed{N}</answer>. Example: 2 - 5 = -3 <answer>\\boxed{-3}</answer>")
+"""Shown after every question: the step format the verifier checks and the answer format the reward
+reads, with a one-line example (SmolLM2-135M-Instruct otherwise answers in prose)."""
 EXTRA_HINT = "pip install 'mathematics-dataset==1.0.1' (or: pip install '.[smollm2]')"
 
 
@@ -79,10 +83,24 @@ def _import_modules():
     return modules
 
 
-def _entropy_fn(level: int, num_levels: int = 3) -> Callable[[tuple[float, float]], tuple[float, float]]:
-    """The dataset's train-easy/-medium/-hard: the level-th third of a module's entropy range
+def difficulty_range(difficulty: str | float) -> tuple[float, float]:
+    """The fraction of a module's entropy range a difficulty draws from (TaskError if unknown)."""
+    if isinstance(difficulty, str) and difficulty in DIFFICULTIES:
+        level = DIFFICULTIES[difficulty]
+        return level / 3, (level + 1) / 3
+    try:
+        f = float(difficulty)
+    except (TypeError, ValueError):
+        f = -1.0
+    if not 0 < f <= 1:
+        raise TaskError(f"unknown mathds difficulty {difficulty!r}; known: {', '.join(DIFFICULTIES)} "
+                        "or a fraction in (0, 1]")
+    return 0.0, f
+
+
+def _entropy_fn(lo_frac: float, hi_frac: float) -> Callable[[tuple[float, float]], tuple[float, float]]:
+    """A slice of a module's entropy range; the thirds are the dataset's train-easy/-medium/-hard
     (mathematics_dataset/generate.py `_make_entropy_fn`)."""
-    lo_frac, hi_frac = level / num_levels, (level + 1) / num_levels
 
     def fn(range_: tuple[float, float]) -> tuple[float, float]:
         length = range_[1] - range_[0]
@@ -102,19 +120,18 @@ def _seed(seed: int, split: str, module: str) -> None:
 def _generators(split: str, difficulty: str) -> dict[str, Callable]:
     modules = _import_modules()
     if split in ("train", "validation"):
-        return modules.train(_entropy_fn(DIFFICULTIES[difficulty]))["arithmetic"]
+        return modules.train(_entropy_fn(*difficulty_range(difficulty)))["arithmetic"]
     if split == "interpolation":
         return modules.test()["arithmetic"]
     return modules.test_extra()["arithmetic"]
 
 
-def generate_split(split: str, n: int, modules: Sequence[str], difficulty: str = "easy", seed: int = 0,
+def generate_split(split: str, n: int, modules: Sequence[str], difficulty: str | float = "easy", seed: int = 0,
                    exclude: set[str] | None = None) -> list[dict]:
     """n rows of one split, spread evenly over `modules` (module order, then round-robin)."""
     if split not in SPLITS:
         raise TaskError(f"split must be one of {SPLITS}, got {split!r}")
-    if difficulty not in DIFFICULTIES:
-        raise TaskError(f"unknown mathds difficulty {difficulty!r}; known: {', '.join(DIFFICULTIES)}")
+    difficulty_range(difficulty)
     modules = check_modules(modules)
     gens = _generators(split, difficulty)
     exclude = exclude or set()
@@ -166,7 +183,7 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     return p is not None and r is not None and p == r
 
 
-def write_splits(out_dir: str | Path, sizes: dict[str, int], modules: Sequence[str], difficulty: str = "easy",
+def write_splits(out_dir: str | Path, sizes: dict[str, int], modules: Sequence[str], difficulty: str | float = "easy",
                  seed: int = 0) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="assets/mathds")
     p.add_argument("--modules", default="add_or_sub,add_sub_multiple,mul,div",
                    help=f"comma-separated, of: {', '.join(MODULES)}")
-    p.add_argument("--difficulty", default="easy", help=f"one of: {', '.join(DIFFICULTIES)}")
+    p.add_argument("--difficulty", default="easy", help=f"one of: {', '.join(DIFFICULTIES)}, or a fraction in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train", type=int, default=4000)
     p.add_argument("--validation", type=int, default=200)

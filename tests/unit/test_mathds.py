@@ -62,7 +62,7 @@ def test_bad_difficulty_is_error():
     pytest.importorskip("mathematics_dataset")
     from asyncrl.tasks.mathds import generate_split
 
-    with pytest.raises(TaskError, match="difficulty 'insane'"):
+    with pytest.raises(TaskError, match="difficulty .insane.):
         generate_split("train", 2, ["mul"], difficulty="insane")
 
 
