@@ -29,9 +29,11 @@ error), as in `arith_verifier`: the verifier keeps no memory of its own replies.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 
 from asyncrl.actors.guided.verifier_io import has_final_answer
 from asyncrl.tasks.arith_verifier import STOP, parse_verifier_request
@@ -299,6 +301,20 @@ def verify_turns(problem: str, policy_turns: list[str], reference: str | None = 
         return Verdict(f"No step found. {start}\n[SCORE] hallucination_detect=0", 0, "no_step")
     return Verdict("Correct. Continue, and end with the final answer as <answer>\\boxed{N}</answer>.\n"
                    "[SCORE] hallucination_detect=1", 1, "correct")
+
+
+def first_unreadable(path: str | Path, prompt_key: str = "problem") -> str | None:
+    """`"<file> row <n>: <reason>"` for the first row of a JSONL file whose question this verifier cannot
+    read (checked before a job starts), None when every row reads."""
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                problem_expression(str(json.loads(line).get(prompt_key, "")))
+            except (UnparsableProblem, json.JSONDecodeError) as e:
+                return f"{path} row {n}: {e}"
+    return None
 
 
 class MathdsRuleVerifier:

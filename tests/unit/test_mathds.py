@@ -58,12 +58,20 @@ def test_unknown_module_is_one_line_error(capsys):
     assert err.count("\n") == 0 and "'nope'" in err
 
 
+def test_difficulty_ranges():
+    from asyncrl.tasks.mathds import difficulty_range
+
+    assert difficulty_range("easy") == (0.0, 1 / 3) and difficulty_range("hard") == (2 / 3, 1.0)
+    assert difficulty_range("0.1") == (0.0, 0.1) and difficulty_range(1) == (0.0, 1.0)
+
+
 def test_bad_difficulty_is_error():
     pytest.importorskip("mathematics_dataset")
     from asyncrl.tasks.mathds import generate_split
 
-    with pytest.raises(TaskError, match="difficulty .insane.):
-        generate_split("train", 2, ["mul"], difficulty="insane")
+    for bad in ("insane", "0", "1.5"):
+        with pytest.raises(TaskError, match=f"difficulty '{bad}'"):
+            generate_split("train", 2, ["mul"], difficulty=bad)
 
 
 def test_splits_deterministic_loadable_and_readable(tmp_path):
@@ -176,3 +184,15 @@ def test_through_the_original_request_and_reply_grammar():
     assert reply.kind == "guidance" and reply.hallucination == 0 and "[SCORE]" not in reply.guidance
     with pytest.raises(UnparsableProblem):
         verifier(render_verifier_messages("Is 7 prime?", None, ["yes"], None))
+
+
+def test_first_unreadable_row_names_file_and_row(tmp_path):
+    from asyncrl.tasks.mathds_verifier import first_unreadable
+
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps({"problem": "Divide 3850 by 14.\n" + INSTRUCTION}) + "\n"
+                 + json.dumps({"problem": "What is the square root of 16?"}) + "\n")
+    msg = first_unreadable(f)
+    assert msg.startswith(f"{f} row 2: ") and "square root" in msg and "\n" not in msg
+    f.write_text(json.dumps({"problem": "Divide 3850 by 14."}) + "\n")
+    assert first_unreadable(f) is None
