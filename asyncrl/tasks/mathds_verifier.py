@@ -19,7 +19,9 @@ Reads the chat messages of a verifier request (docs/guided_grpo.md#verifier-requ
    `[SCORE] hallucination_detect=0`.
 3. The final answer `<answer>\\boxed{v}</answer>` (the original's `has_final_answer`): equal in
    value to the problem's value -> exactly `###STOP###`; a formatted wrong one -> guidance, score 0;
-   an attempted answer in the wrong format -> a format request, score 1.
+   an attempted answer in the wrong format ("The answer is 5.") -> a format request that shows the
+   format filled with the policy's OWN number (`<answer>\\boxed{5}</answer>`; a small model copies a
+   concrete example where it ignores a placeholder), score 1.
 4. Otherwise steps all right -> "Correct." and a push to continue, score 1; no step and no
    answer -> the expression to compute (a restatement of the question, never a result), score 0.
 
@@ -267,6 +269,15 @@ def _boxed_number(text: str) -> Fraction | None:
         return None
 
 
+_CLAIM_RE = re.compile(rf"answer\s*(?:is|:|=)?\s*\$?({_RHS})", re.IGNORECASE)
+
+
+def _claimed_answer(text: str) -> str | None:
+    """The number a turn states as its answer in prose ("The answer is -12."), as written."""
+    found = _CLAIM_RE.findall(normalize(text))
+    return found[-1].strip() if found else None
+
+
 def final_answer_correct(text: str, reference: str) -> bool:
     """The last `\\boxed{}` of `text` equals `reference` in value (evaluation's accuracy)."""
     v, r = _boxed_number(text), parse_number(reference)
@@ -295,7 +306,9 @@ def verify_turns(problem: str, policy_turns: list[str], reference: str | None = 
                        "decimal places included. What is the final answer?\n[SCORE] hallucination_detect=0",
                        0, "wrong_answer")
     if _ANSWER_ATTEMPT_RE.search(last):
-        return Verdict("Format: write the final answer once as <answer>\\boxed{N}</answer>. "
+        own = _claimed_answer(last)  # the policy's own number, never the verifier's: nothing is revealed
+        example = f"<answer>\\boxed{{{own}}}</answer>" if own else "<answer>\\boxed{N}</answer>"
+        return Verdict(f"Format: write your final answer once, exactly like {example}. "
                        "What is your final answer?\n[SCORE] hallucination_detect=1", 1, "format")
     if accepted == 0:
         return Verdict(f"No step found. {start}\n[SCORE] hallucination_detect=0", 0, "no_step")

@@ -144,7 +144,9 @@ P = "What is 115.56 less than -0.015?\n" + INSTRUCTION  # -0.015 - 115.56 = -115
     (["7 + 3 = 10"], "unknown_number", 0, "neither in the problem"),          # 7 and 3 are not the problem's
     (["-0.015 - 115.56 = -115.575"], "correct", 1, "Correct."),
     (["<answer>\\boxed{115.575}</answer>"], "wrong_answer", 0, "signs"),       # sign flipped
-    (["The answer is -115.575."], "format", 1, "<answer>\\boxed{N}</answer>"),
+    (["The answer is -115.5."], "format", 1, "exactly like <answer>\\boxed{-115.5}</answer>"),  # its own number
+    (["So the answer: 7"], "format", 1, "exactly like <answer>\\boxed{7}</answer>"),
+    (["I give my answer in words"], "format", 1, "<answer>\\boxed{N}</answer>"),
     (["To solve this we use the distributive property."], "no_step", 0, "Compute -0.015 - 115.56"),
     # 1 is neither a number of the problem nor a result: a made-up operand
     (["-0.015 - 115.56 = -115.575", "-115.575 * 1 = -115.575"], "unknown_number", 0, "uses 1,"),
