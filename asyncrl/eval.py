@@ -94,11 +94,12 @@ def accuracy_se(accuracy: float, n: int) -> float:
 
 def summarize(convs: Sequence[Any], rows: Sequence[dict], tokenizer: Any, task: str, mode: Mode) -> dict:
     """Per-mode numbers from finished conversations (see the module docstring)."""
-    from asyncrl.tasks.arith_verifier import verify_turns
+    from asyncrl.tasks import get_answer_check, get_turn_verifier
     from asyncrl.verifier_protocol import has_final_answer
 
+    verify_turns, matches = get_turn_verifier(task), get_answer_check(task)
     n = len(convs)
-    correct = [(_boxed(c.final_text) or "").strip() == str(r["answer"]).strip() for c, r in zip(convs, rows, strict=True)]
+    correct = [matches(c.final_text, str(r["answer"])) for c, r in zip(convs, rows, strict=True)]
     turns = [c.num_turns for c in convs]
     pol_tok = [sum(len(t.token_ids) for t in c.turns) for c in convs]
     ver_tok = [sum(len(tokenizer.encode(t.verifier_text or "", add_special_tokens=False)) for t in c.turns

@@ -178,7 +178,7 @@ SYNC_WHOLE = {"round", "total"}  # the round itself, not a phase of it
 
 def sync_phase_means(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Mean seconds per phase of the weight round over the steps that logged it, by side
-    (`perf/weight_sync/{side}_{phase}_s`, asyncrl.step_metrics.weight_sync_phases); the engine's
+    (`perf/weight_sync/{side}_{phase}_s`, asyncrl.job.step_metrics.weight_sync_phases); the engine's
     `round` is the receiver's whole round seen from outside, so it is left out of the engine's bar."""
     sums: dict[str, dict[str, list[float]]] = {}
     for r in rows:

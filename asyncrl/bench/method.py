@@ -2,7 +2,7 @@
 
 Arms, each trained from the same initial policy (`model.path`) with the same number of trained
 samples (`--steps` x `data.rollout_batch_size` x `rollout.n`), by real training runs of the whole
-system (`asyncrl.runtime.run`, as `convergence`):
+system (`asyncrl.job.runtime.run`, as `convergence`):
 - `none`: no training (the initial policy);
 - `grpo`: single-turn GRPO (`rollout.guide.enable=false`, no verifier in the loop);
 - `guided-rule`: Guided-GRPO with the arith rule oracle (always right);
@@ -107,7 +107,7 @@ def _finished(run_dir: Path, steps: int) -> bool:
 def train_arm(cfg: Config, arm: str, seed: int, p: dict[str, Any]) -> dict[str, Any]:
     """One real training run (or a reused one); its exported policy, curves and wall time."""
     from asyncrl.export import export
-    from asyncrl.runtime import run
+    from asyncrl.job.runtime import run
 
     c = arm_config(cfg, arm, seed, p)
     run_dir = c.run_path

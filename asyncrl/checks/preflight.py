@@ -611,6 +611,18 @@ def check_rule_verifier(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]
     except ValueError as exc:
         return [Row("rule verifier", False, f"verifier.task={cfg.verifier.task}: {exc}",
                     "set verifier.task to a built-in task, or verifier.backend=vllm / http")]
+    if cfg.verifier.task == "mathds":  # a question the rule cannot read would fail every request for it
+        from asyncrl.tasks.mathds_verifier import first_unreadable
+
+        for key in ("train_files", "val_files", "test_files"):
+            spec = getattr(cfg.data, key)
+            path = Path(os.path.expanduser(spec.split("@", 1)[0])) if spec else None
+            if path is None or path.suffix != ".jsonl" or not path.is_file():
+                continue
+            bad = first_unreadable(path, cfg.data.prompt_key)
+            if bad:
+                return [Row("rule verifier", False, f"data.{key}: {bad}",
+                            "the mathds verifier reads the Mathematics Dataset's arithmetic questions only")]
     return [Row("rule verifier", True, f"verifier.task={cfg.verifier.task}")]
 
 

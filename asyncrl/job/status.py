@@ -22,7 +22,7 @@ STATUS_KEYS = ("rollout/reward_mean", "train/reward_mean", "reward/accuracy", "r
                "buffer/in_flight", "buffer/admission_used", "buffer/admission_limit", "buffer/staleness_max",
                "rollout/tokens_per_s", "verifier/latency_ms_p50", "verifier/latency_ms_p95", "verifier/error_rate")
 
-PHASE_PREFIX = "perf/weight_sync/"  # the weight round by phase (asyncrl.step_metrics.weight_sync_phases)
+PHASE_PREFIX = "perf/weight_sync/"  # the weight round by phase (asyncrl.job.step_metrics.weight_sync_phases)
 
 
 def job_status(cfg: Any, fleet: Any, run_dir: Path, step: int, version: int, metrics: dict[str, Any], *,

@@ -1,6 +1,6 @@
 """The verifier requests a finished run made, rebuilt from its stored conversations.
 
-A run keeps conversations in two places (asyncrl.trainer, asyncrl.eval): `samples/train_*.json`
+A run keeps conversations in two places (asyncrl.job.loop, asyncrl.eval): `samples/train_*.json`
 (a few trained trajectories per evaluation: chat `messages`, the verifier's raw `verifier_texts`
 and `hallucination_scores`) and `samples/eval_*.json` (`conversations.guided`: problem, answer and
 per-turn policy text, verifier reply, score, STOP). Turn k of a conversation becomes one request

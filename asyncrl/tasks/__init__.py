@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-TASKS = ("arith", "arith_vl")
+TASKS = ("arith", "arith_vl", "mathds")
 
 
 RULE_VARIANTS = ("arith_answer_only",)
@@ -26,6 +26,10 @@ def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
         from asyncrl.tasks.arith_verifier import ArithAnswerOnlyVerifier
 
         return ArithAnswerOnlyVerifier()
+    if task == "mathds":
+        from asyncrl.tasks.mathds_verifier import MathdsRuleVerifier
+
+        return MathdsRuleVerifier()
     raise ValueError(f"no rule verifier for task {task!r}; known: {', '.join(TASKS + RULE_VARIANTS)}")
 
 
@@ -38,3 +42,25 @@ def get_step_checker(task: str) -> Callable[[str, list[str]], int | None] | None
 
         return lambda problem, turns: verify_turns(problem, turns).score
     return None
+
+
+def get_answer_check(task: str) -> Callable[[str, str], bool]:
+    """`(final policy text, reference) -> correct` for a task's evaluation: the last `\\boxed{}` equal in
+    value for `mathds` (`-7/2` == `-3.5` == `-\\frac{7}{2}`), the stripped boxed string otherwise."""
+    if task == "mathds":
+        from asyncrl.tasks.mathds_verifier import final_answer_correct
+
+        return final_answer_correct
+    from asyncrl.tasks.arith_verifier import boxed_value
+
+    return lambda text, reference: (boxed_value(text) or "").strip() == str(reference).strip()
+
+
+def get_turn_verifier(task: str) -> Callable[..., object]:
+    """`verify_turns(problem, policy_turns)` of a task (a verdict with `.score`), for scoring solver-only
+    conversations after the fact."""
+    if task == "mathds":
+        from asyncrl.tasks.mathds_verifier import verify_turns
+    else:
+        from asyncrl.tasks.arith_verifier import verify_turns
+    return verify_turns

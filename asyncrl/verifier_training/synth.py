@@ -1,7 +1,7 @@
 """Stage 1 of Guided-GRPO, data synthesis: `python -m asyncrl.synth --config X.yaml --out DIR [--limit N]`.
 
 The policy talks to a *teacher* verifier over the training prompts, on the job's own parts: the
-topology of a training job is built (`asyncrl.topology.build_topology`: the Serve verifier
+topology of a training job is built (`asyncrl.job.topology.build_topology`: the Serve verifier
 deployment with `verifier.*` as the teacher, any back-end: `rule`, `vllm`, `http`; the rollout
 fleet's vLLM engines), then, instead of training, each rollout actor runs training-mode guided
 conversations (`RolloutWorker.synthesize`, the same `run_guided_group` a training step uses) and
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(f"prompts: {spec} has no rows")
     if cfg.verifier.backend == "vllm" and (why := check_vllm_checkpoint(cfg.verifier.model_path)):
         fail(f"teacher verifier.model_path: {why}")
-    from asyncrl.runtime import check_models
+    from asyncrl.job.runtime import check_models
 
     if not check_models(cfg):  # the launcher's model checks: the teacher's endpoint or checkpoint, the policy
         print(f"error: teacher {teacher_name(cfg)} or the policy failed the checks above", file=sys.stderr)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _run_on_fleet(cfg, scfg, todo, writer, teacher, out)
         if code:
             return code
-    from asyncrl.actors.guided.verifier_io import render_verifier_messages
+    from asyncrl.verifier_protocol import render_verifier_messages
 
     system = render_verifier_messages("", None, [], cfg.rollout.guide.prompt_template)[0]["content"]
     card = {"policy": cfg.model.path, "teacher": teacher, "task": cfg.verifier.task, "prompts": spec,
@@ -182,8 +182,8 @@ def _run_on_fleet(cfg: Any, scfg: SynthConfig, todo: list[tuple[int, list[dict]]
     import ray
     from tqdm import tqdm
 
+    from asyncrl.job.runtime import preflight, prepare_run_dir, ray_init
     from asyncrl.logs import console, echo, quiet_console
-    from asyncrl.runtime import preflight, prepare_run_dir, ray_init
     from asyncrl.startup import StartupError
 
     cfg.trainer.run_dir = str((out / "job").resolve())
@@ -195,7 +195,7 @@ def _run_on_fleet(cfg: Any, scfg: SynthConfig, todo: list[tuple[int, list[dict]]
         try:
             ray_init(cfg, f"asyncrl-synth-{os.getpid()}")
             preflight(cfg)
-            from asyncrl.topology import build_topology
+            from asyncrl.job.topology import build_topology
 
             topo = build_topology(cfg, run_dir, None)
             actors = list(topo.fleet.actors.values())

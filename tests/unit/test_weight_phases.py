@@ -136,9 +136,8 @@ def test_a_real_round_reports_every_phase_and_they_add_up(buffered):
 
 
 def test_step_metrics_status_and_report_carry_the_phases(tmp_path):
-    from asyncrl.status import format_status
-    from asyncrl.step_metrics import weight_sync_phases
-
+    from asyncrl.job.status import format_status
+    from asyncrl.job.step_metrics import weight_sync_phases
     from asyncrl.report import plot_images, sync_phase_means
 
     sync = {"report": {"phases": {"pack": 0.5, "wire": 1.0, "other": 0.1, "round": 1.6}},

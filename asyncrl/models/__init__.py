@@ -1,0 +1,1 @@
+"""Pretrained models asyncrl can provision offline from PyPI wheels (no model hub on the machine)."""
