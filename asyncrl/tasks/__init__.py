@@ -30,7 +30,7 @@ def get_rule_verifier(task: str) -> Callable[[list[dict]], str]:
         from asyncrl.tasks.mathds_verifier import MathdsRuleVerifier
 
         return MathdsRuleVerifier()
-    raise ValueError(f"no rule verifier for task {task!r}; known: {', '.join(TASKS + RULE_VARIANTS)}")
+    raise ValueError(f"no rule verifier for task {task!r}; known tasks: {', '.join(TASKS + RULE_VARIANTS)}")
 
 
 def get_step_checker(task: str) -> Callable[[str, list[str]], int | None] | None:
