@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
-from asyncrl.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full, remove_partial
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
 from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop
 from asyncrl.job.checkpoint import write_job_checkpoint
 from asyncrl.job.commands import run_queued
+from asyncrl.job.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full, remove_partial
 from asyncrl.job.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
 from asyncrl.job.step_metrics import GroupLengths, StepClock, batch_metrics
 from asyncrl.job.topology import Topology
@@ -249,7 +249,7 @@ class Trainer:
 
     def on_failure(self, exc: BaseException) -> int:
         """The job cannot go on (asyncrl.job.recovery.stop_on_failure); the exit status. A full disk behind
-        it: `DiskFull`, with the emergency checkpoint written elsewhere (asyncrl.disk_watch)."""
+        it: `DiskFull`, with the emergency checkpoint written elsewhere (asyncrl.job.disk_watch)."""
         if is_disk_full(exc):
             if not isinstance(exc, DiskFull):
                 from asyncrl.startup import one_line, root_cause

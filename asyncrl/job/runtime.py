@@ -167,10 +167,10 @@ def run(cfg: Config) -> int:
     """The job, with the console kept for asyncrl's lines (asyncrl.logs: the rest goes to files).
     Exit 2 when the run directory belongs to another live job or the model cannot hold the config
     (nothing started), else the job's status."""
-    from asyncrl.run_lock import RunDirLocked, acquire, took_over_line
+    from asyncrl.job.run_lock import RunDirLocked, acquire, took_over_line
 
     try:
-        lock = acquire(cfg.run_path)  # one job per run directory, held to the end (asyncrl.run_lock)
+        lock = acquire(cfg.run_path)  # one job per run directory, held to the end (asyncrl.job.run_lock)
     except RunDirLocked as exc:
         echo(f"error: {exc}", err=True)
         return 2

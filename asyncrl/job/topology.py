@@ -254,7 +254,7 @@ def _start_buffer(topo: Topology, resume: Path | None, timeout: float) -> None:
     topo.hosts["buffer"] = ray.get(topo.buffer.where.remote(), timeout=timeout)["host"]
     say(f"  replay buffer listening at {topo.buffer_address}")
     if resume:  # a missing or damaged snapshot: its prompts are issued again, said with how many
-        from asyncrl.resume_snapshot import restore_buffer
+        from asyncrl.job.resume_snapshot import restore_buffer
 
         buf, coord = topo.buffer, topo.coordinator
         restore_buffer(resume / "buffer" / "groups.snapshot",

@@ -1,4 +1,4 @@
-"""Proves the job-level side of a full disk (asyncrl.disk_watch), with real ENOSPC errors (writes to
+"""Proves the job-level side of a full disk (asyncrl.job.disk_watch), with real ENOSPC errors (writes to
 /dev/full, and a small tmpfs filled to the last byte where the machine lets us mount one): low free
 space pauses admission with one line and resumes it with another; a pause that outlasts
 `trainer.disk_full_wait_s` ends the job with `DiskFull`; ENOSPC is recognised through exception
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full
 from asyncrl.failure_watch import stop_named
+from asyncrl.job.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full
 from asyncrl.job.recovery import Progress
 
 MB = 2**20

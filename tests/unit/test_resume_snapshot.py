@@ -1,5 +1,5 @@
 """Proves a resume loses no prompt to a missing or damaged buffer snapshot
-(asyncrl.resume_snapshot.restore_buffer, with a real Coordinator and real snapshot files): the prompts
+(asyncrl.job.resume_snapshot.restore_buffer, with a real Coordinator and real snapshot files): the prompts
 the checkpoint's cursor lists as `buffered` are issued again, first, and the console says how many and
 why (missing / damaged, by file name); an intact snapshot re-issues nothing."""
 
@@ -12,11 +12,11 @@ import pytest
 
 from asyncrl.config import DataConfig
 from asyncrl.job.coordinator import Coordinator
+from asyncrl.job.resume_snapshot import restore_buffer
 from asyncrl.protocol import encode
 from asyncrl.replay.snapshot import read_snapshot, write_snapshot
 from asyncrl.replay.state import BufferState
 from asyncrl.replay.synthetic import synthetic_group
-from asyncrl.resume_snapshot import restore_buffer
 
 ROWS = [{"problem": f"Compute {i} + 1.", "answer": str(i + 1)} for i in range(10)]
 CFG = DataConfig(shuffle=False).model_dump_json()

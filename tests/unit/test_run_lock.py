@@ -1,4 +1,4 @@
-"""Proves the run directory is owned by one job (asyncrl.run_lock), with real processes: while a
+"""Proves the run directory is owned by one job (asyncrl.job.run_lock), with real processes: while a
 process holds the lock a second one is refused with the holder's pid and host; once the holder is
 SIGKILLed its lock is taken over with a line naming it; a released lock leaves no file behind; a lock
 written on another host is refused by name; and `python -m asyncrl.launch` on a locked run directory
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.run_lock import LOCK_FILE, RunDirLocked, acquire, took_over_line
+from asyncrl.job.run_lock import LOCK_FILE, RunDirLocked, acquire, took_over_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def _holder(run_dir: Path) -> subprocess.Popen[str]:
     """A process that takes the lock, says so, and sleeps."""
     code = textwrap.dedent(f"""
         import sys, time
-        from asyncrl.run_lock import acquire
+        from asyncrl.job.run_lock import acquire
         lock = acquire({str(run_dir)!r})
         print("held", flush=True)
         time.sleep(600)
