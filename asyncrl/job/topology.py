@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Thread
@@ -142,7 +142,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
 
     topo = Topology(cfg, run_dir, ray.get_runtime_context().namespace)
     n = cfg.rollout.num_actors
-    plan = StartPlan(cfg.cluster.startup_timeout_s, topo.adopt, early_checks=[_rows_failed(cfg, rows_loading)])
+    rows = _TrainingRows(cfg, rows_loading)
+    plan = StartPlan(cfg.cluster.startup_timeout_s, topo.adopt, early_checks=[rows])
     with plan.stopping_on_failure(topo.shutdown):
         if cfg.rollout.guide.enable:  # first: a verifier that cannot work stops the launch before any engine is built
             plan.begin("verifier", f"verifier service ({cfg.verifier.backend}, version {cfg.verifier.version})",
@@ -159,8 +160,8 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
             say(f"rollout actors x{n}: engines building while the other services start")
         plan.begin("weight store", "weight store", start_weight_store, topo.namespace)
         with plan.step("data"):
-            rows, cursor = _training_rows(cfg, rows_loading), _read_cursor(resume)
-        topo.rows_ref, topo.coordinator = _create_coordinator(cfg, run_dir, rows, cursor)
+            training_rows, cursor = rows.take(), _read_cursor(resume)
+        topo.rows_ref, topo.coordinator = _create_coordinator(cfg, run_dir, training_rows, cursor)
         with plan.step("coordinator"):
             topo.hosts["coordinator"] = ray.get(topo.coordinator.where.remote(), timeout=plan.timeout_s)["host"]
         with plan.step("replay buffer"):
@@ -187,25 +188,28 @@ def build_topology(cfg: Config, run_dir: Path, resume: Path | None, rows_loading
 
 
 # ---- the steps of `build_topology` -----------------------------------------------------------
-def _rows_failed(cfg: Config, rows_loading: Thread | None) -> Callable[[], None]:
-    """An early check: training rows whose loading thread ended without rows (a row without an
-    answer, say) stop the launch between steps, naming the file and row."""
-    from asyncrl.data import has_preloaded_rows, load_training_rows
+class _TrainingRows:
+    """The training rows, loaded by the launcher's thread since Ray started. As an early check of the
+    plan, until `take`: rows whose thread ended without them (a row without an answer, say) stop the
+    launch between steps, naming the file and row."""
 
-    def check() -> None:
-        if rows_loading is not None and not rows_loading.is_alive() and not has_preloaded_rows(cfg):
+    def __init__(self, cfg: Config, loading: Thread | None) -> None:
+        self.cfg, self.loading = cfg, loading
+
+    def __call__(self) -> None:
+        from asyncrl.data import has_preloaded_rows, load_training_rows
+
+        if self.loading is not None and not self.loading.is_alive() and not has_preloaded_rows(self.cfg):
             with step_timer("data"):
-                load_training_rows(cfg)  # raises the loading error
-    return check
+                load_training_rows(self.cfg)  # raises the loading error
 
+    def take(self) -> Any:
+        from asyncrl.data import load_training_rows
 
-def _training_rows(cfg: Config, rows_loading: Thread | None) -> Any:
-    """The training rows, loaded by the launcher's thread since Ray started (or here)."""
-    from asyncrl.data import load_training_rows
-
-    if rows_loading is not None:
-        rows_loading.join()
-    return load_training_rows(cfg)
+        if self.loading is not None:
+            self.loading.join()
+            self.loading = None  # taken: the early check has nothing left to look at
+        return load_training_rows(self.cfg)
 
 
 def _read_cursor(resume: Path | None) -> dict[str, Any] | None:
