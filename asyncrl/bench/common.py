@@ -102,3 +102,14 @@ def print_table(title: str, rows: list[tuple[str, Any]]) -> None:
         if isinstance(value, float):
             value = f"{value:,.4g}"
         print(f"  {key.ljust(width)}  {value}")
+
+
+def save_figure(fig: Any, out: Path, scenario: str) -> Path:
+    """A scenario's matplotlib figure as `<out>/<scenario>-<time>.png` (the figure is closed)."""
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{scenario}-{time.strftime('%Y%m%d-%H%M%S')}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench.common import int_list, print_table, str_list
+from asyncrl.bench.common import int_list, print_table, save_figure, str_list
 from asyncrl.config import Config
 
 ACC = "guided_accuracy"
@@ -507,8 +507,4 @@ def plot(result: dict[str, Any], out: Path) -> Path:
     ax[1, 2].set(xlabel="staleness of trained groups (versions)", ylabel="fraction", title="staleness")
     ax[1, 2].legend(fontsize=7)
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"convergence-{time.strftime('%Y%m%d-%H%M%S')}.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "convergence")

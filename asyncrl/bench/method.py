@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.bench.common import int_list, print_table, str_list
+from asyncrl.bench.common import int_list, print_table, save_figure, str_list
 from asyncrl.config import Config
 
 ARMS = ["none", "grpo", "guided-rule", "guided-sft", "guided-untuned"]
@@ -339,11 +339,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
         ax[k + 1].set(xlabel="learner step", title=label)
         ax[k + 1].legend(fontsize=7)
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"method-{time.strftime('%Y%m%d-%H%M%S')}.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "method")
 
 
 if __name__ == "__main__":  # the evaluation child process (`evaluate_policy`)
