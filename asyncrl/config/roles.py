@@ -248,6 +248,11 @@ class VerifierConfig(Section):
     """http back-end settings."""
     client: VerifierClientConfig = Field(default_factory=VerifierClientConfig)
     """Client used by rollout actors: deadlines, retries, concurrency."""
+    error_reruns: int = Field(2, ge=0)
+    """Times the conversations a verifier failure ended are run again (fresh seeds, same group slots)
+    before their group is re-issued untrained (`rollout.guide.on_error: stop`); a verifier failure is
+    never trained as the policy's failure. 0 = re-issue the group at once. Each re-run costs the
+    policy's and the verifier's calls for those conversations again."""
 
     @property
     def engine_dtype(self) -> str:
