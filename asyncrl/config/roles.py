@@ -253,6 +253,11 @@ class VerifierConfig(Section):
     before their group is re-issued untrained (`rollout.guide.on_error: stop`); a verifier failure is
     never trained as the policy's failure. 0 = re-issue the group at once. Each re-run costs the
     policy's and the verifier's calls for those conversations again."""
+    outage_wait_s: float = Field(300.0, ge=0)
+    """How long a verifier outage (every verifier call in a few seconds failed; said on the console)
+    may last before the job stops with `VerifierOutage` (exit 3, after a checkpoint; resume once the
+    verifier answers). Meanwhile nothing is trained and groups are re-issued, and the learner's batch
+    deadline waits for it. 0 = wait as long as it takes."""
 
     @property
     def engine_dtype(self) -> str:
