@@ -25,7 +25,14 @@ from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
 from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop, verifier_name
 from asyncrl.job.checkpoint import write_job_checkpoint
 from asyncrl.job.commands import run_queued
-from asyncrl.job.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full, remove_partial
+from asyncrl.job.disk_watch import (
+    DiskFull,
+    DiskWatch,
+    buffer_log_full,
+    emergency_root,
+    is_disk_full,
+    remove_partial,
+)
 from asyncrl.job.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
 from asyncrl.job.step_metrics import GroupLengths, StepClock, batch_metrics
 from asyncrl.job.topology import Topology
@@ -58,7 +65,8 @@ class Trainer:
                                      verifier=verifier_name(cfg))  # failures said once, fatal ones stop the job
         self.divergence = DivergenceWatch(cfg.learner.max_nonfinite_steps, run_dir / "checkpoints")
         self.disk = DiskWatch(run_dir, cfg.trainer.min_free_disk_mb, cfg.trainer.disk_full_wait_s,
-                              lambda admitting: topo.coordinator.set_admitting.remote(admitting))
+                              lambda admitting: topo.coordinator.set_admitting.remote(admitting),
+                              buffer_log_full=lambda: buffer_log_full(topo.buffer))
         self.lengths = GroupLengths()
         self.clock = StepClock()
         self.summary: dict[str, Any] = {}  # the evaluations before/after (summary.json)
