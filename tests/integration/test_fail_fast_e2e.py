@@ -244,25 +244,42 @@ def _upstream(answer) -> Any:
 
 
 def test_a_total_verifier_outage_is_said_and_stops_the_job_after_outage_wait_s(tmp_path: Path) -> None:
-    """verifier.backend=http whose upstream answers every call with 502: the console says the outage
-    began (naming the back-end and the last error), nothing is trained, and after
-    `verifier.outage_wait_s` the job stops with `VerifierOutage`, exit 3, instead of waiting out
-    `learner.batch_timeout_s` (600 s here) and blaming the rollout fleet."""
-    server = _upstream(lambda: False)
+    """verifier.backend=http whose upstream answers until the first step is trained, then answers every
+    call with 502 (a verifier that is down from the start is refused by the start-up probe instead):
+    the console says the outage began (naming the back-end and the last error), nothing the verifier
+    could not judge is trained, and after `verifier.outage_wait_s` the job stops with `VerifierOutage`,
+    exit 3, instead of waiting out `learner.batch_timeout_s` (600 s here) and blaming the rollout fleet."""
+    import json
+
+    down = threading.Event()
+    metrics = tmp_path / "outage" / "metrics.jsonl"
+
+    def take_it_down_after_the_first_step() -> None:
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.5)
+        down.set()
+
+    threading.Thread(target=take_it_down_after_the_first_step, daemon=True).start()
+    server = _upstream(lambda: not down.is_set())
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     try:
-        proc, took = launch(tmp_path, "trainer.experiment_name=outage", "trainer.max_steps=3", "verifier.backend=http",
-                            f"verifier.http.base_url={url}", "verifier.http.max_retries=0",
-                            "verifier.client.max_retries=0", "verifier.outage_wait_s=30")
+        proc, took = launch(tmp_path, "trainer.experiment_name=outage", "trainer.max_steps=50",
+                            "trainer.save_every=-1", "verifier.backend=http", f"verifier.http.base_url={url}",
+                            "verifier.http.max_retries=0", "verifier.client.max_retries=0", "verifier.outage_wait_s=30")
     finally:
         server.shutdown()
     out = proc.stdout + proc.stderr
-    print("upstream calls:", server.calls["n"], f"; {took:.1f}s from the fleet's start to the exit")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    rows = [r for r in rows if "train/version" in r or "verifier/error_rate" in r]
+    print("upstream calls:", server.calls["n"], "steps logged:", len(rows), "verifier/error_rate per step:",
+          [r.get("verifier/error_rate") for r in rows], f"; {took:.1f}s from the fleet's start to the exit")
+    print("".join(line + "\n" for line in out.splitlines()
+                  if "verifier outage" in line or "VerifierOutage" in line or line.startswith("stopping at")))
+    assert down.is_set(), out[-4000:]
     assert proc.returncode == 3, out[-4000:]
     assert "verifier outage: all " in out and f"the http verifier at {url}" in out, out[-4000:]
     assert "error: VerifierOutage: " in out and "verifier.outage_wait_s=30" in out, out[-4000:]
     assert "is the rollout fleet alive" not in out
-    assert took < 300  # the outage's limit ended it, not the 600 s batch timeout
-    metrics = tmp_path / "outage" / "metrics.jsonl"
-    trained = [line for line in metrics.read_text().splitlines() if '"train/' in line] if metrics.exists() else []
-    assert trained == [], trained[:1]  # nothing the verifier could not judge was trained
+    assert 1 <= len(rows) < 50 and all(0.0 <= r.get("verifier/error_rate", 0.0) <= 1.0 for r in rows)
+    assert all(r.get("rollout/finish_reason/verifier_error", 0) == 0 for r in rows)  # none trained
