@@ -370,6 +370,7 @@ RATIOS = {  # name -> (numerator path, denominator path), groups/s; each reporte
     "durable_window_2_producers_ratio": ("buffer_durable_window_2_producers", "buffer_window_2_producers"),
     "durable_window_2_producers_inline_ratio": ("buffer_durable_window_2_producers_inline",
                                                 "buffer_window_2_producers"),
+    "sync_thread_2_producers_ratio": ("buffer_durable_window_2_producers", "buffer_durable_window_2_producers_inline"),
 }
 
 
@@ -380,6 +381,7 @@ def _ratios(best: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, fl
             out[name] = best[num]["groups_per_s"] / best[den]["groups_per_s"]
             out[f"{name}_median"] = float(np.median([h[num]["groups_per_s"] / h[den]["groups_per_s"] for h in history]))
     for name, path in (("durable_fleet_headroom", "buffer_durable_window"),
+                       ("durable_2_producers_fleet_headroom", "buffer_durable_window_2_producers"),
                        ("durable_one_at_a_time_fleet_headroom", "buffer_durable")):
         if path in best:
             out[name] = best[path]["mb_per_s"] / FLEET_MB_PER_S
@@ -390,7 +392,8 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = [(f"{name} (best | median)", f"{result[name]:.3f} | {result[name + '_median']:.3f}")
                                    for name in RATIOS if name in result]
     rows += [(f"{name}: durable MB/s / {FLEET_MB_PER_S} MB/s fleet", f"{result[name]:.1f}x")
-             for name in ("durable_fleet_headroom", "durable_one_at_a_time_fleet_headroom") if name in result]
+             for name in ("durable_fleet_headroom", "durable_2_producers_fleet_headroom",
+                          "durable_one_at_a_time_fleet_headroom") if name in result]
     for name, r in result.items():
         if isinstance(r, dict) and "groups_per_s" in r:
             rows.append((f"{name}: groups/s | MB/s", f"{r['groups_per_s']:.1f} | {r['mb_per_s']:.1f}"))
