@@ -392,6 +392,7 @@ class ReplayBufferServer:
             self._loop_error = exc
             raise
         finally:
+            self._last_sync(sock)
             sock.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
@@ -463,10 +464,23 @@ class ReplayBufferServer:
         error = self._syncer.take_error()
         while self._unsynced and self._unsynced[0][0] <= self.log.committed:
             self._deliver_all(sock, self._unsynced.popleft()[1])
-        if error is not None and self._unsynced:
+        if error is not None:  # counted, said, and nothing that waited for the sync is acknowledged
             waiting = [reply for _, replies in self._unsynced for reply in replies]
             self._unsynced.clear()
             self._fail_unsynced(sock, waiting, error)
+
+    def _last_sync(self, sock: zmq.Socket) -> None:
+        """On the way out, one sync in line so that what waited for the sync thread is acknowledged
+        before the socket closes (as the in-line mode sends every reply of its last pass)."""
+        if self._syncer is None or not (self._unsynced or self._outbox):
+            return
+        try:
+            with self._lock:
+                assert self.log is not None
+                self.log.commit()
+                self._release_synced(sock)
+        except Exception:  # noqa: BLE001 - stopping anyway; the producers' retries cover what was not acknowledged
+            log.exception("replay buffer: the last sync before stopping failed")
 
     def _fail_unsynced(self, sock: zmq.Socket, replies: list[Reply], exc: OSError) -> None:
         """The fsync failed: what was written may not be on disk, so none of `replies` is acknowledged."""

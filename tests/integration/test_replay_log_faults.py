@@ -8,7 +8,8 @@ a recovery on a full disk serves what it recovered and says what space the compa
 group commit: pushes that arrive together share one fsync and none is acknowledged before it, with
 the fsync in line or on its own thread; with the sync thread, a held fsync (a fake that waits on an
 event, real ZeroMQ and files around it) leaves the loop receiving and appending pushes while none
-of them is acknowledged until the sync that covers it completes."""
+of them is acknowledged until the sync that covers it completes; a failed fsync acknowledges nothing
+it covered (an `internal` error, counted) and the next sync makes the same records durable."""
 
 from __future__ import annotations
 
@@ -236,3 +237,34 @@ def test_the_loop_keeps_appending_during_a_sync_and_no_ack_leaves_before_its_syn
         server.stop()
     assert not acked_before_fsync
     assert buffer(tmp_path / "b.wal", recover=True).state.buffered == 6
+
+
+@pytest.mark.parametrize("sync_thread", [True, False], ids=["sync-thread", "inline-fsync"])
+def test_a_failed_fsync_acknowledges_nothing_it_covered_and_the_next_one_does(tmp_path: Path, monkeypatch,
+                                                                                 sync_thread) -> None:
+    from asyncrl.replay import BufferRequestError
+
+    real_fsync, fail = wal_module._fsync, [False]
+
+    def fsync(fd):
+        if fail[0]:
+            fail[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(wal_module, "_fsync", fsync)
+    cfg = BufferConfig(max_staleness=1, capacity_groups=64, durable={"sync_thread": sync_thread})
+    server = ReplayBufferServer(cfg, batch_size=32, log_path=str(tmp_path / "b.wal"))
+    client = BufferClient(server.start(), secret=cfg.secret, reply_grace_s=5.0)
+    try:
+        tickets = [client.acquire_ticket(1.0) for _ in range(2)]
+        fail[0] = True
+        with pytest.raises(BufferRequestError, match="durable log commit failed"):
+            client.push(group(0, 0), tickets[0])
+        assert client.stats()["buffer/log_failures"] == 1
+        assert client.push(group(0, 0), tickets[0]).status == "duplicate"  # stored once; synced by a later sync
+        assert client.push(group(0, 1), tickets[1]).status == "stored"
+    finally:
+        client.close()
+        server.stop()
+    assert buffer(tmp_path / "b.wal", recover=True).state.prompt_indices() == [0, 1]
