@@ -28,8 +28,9 @@ fsync before every acknowledgement: the pushes in flight together reach the serv
 share one fsync (group commit); `durable_window_ratio` = its groups/s / `buffer_window`'s (the
 in-memory figure of the same path, same rounds), and `durable_fleet_headroom` = its MB/s / 7.2 MB/s
 (what a 256-engine 7B fleet produces: docs/benchmarks.md). The durable paths fsync on the log's
-sync thread (`buffer.durable.sync_thread`, the default); each `*_inline` path is the same with the
-fsync in the socket loop (the baseline), and `sync_thread_ratio` = sync thread / inline groups/s.
+sync thread (`buffer.durable.sync_thread` set by the bench); each `*_inline` path is the same with
+the fsync in the socket loop (the baseline), and `sync_thread_ratio` = sync thread / inline
+groups/s. `buffer_durable` and `buffer_durable_fsync_never` keep the config's setting (in line by default).
 
 `--durable-only` runs just the pipelined paths group commit is judged on (in memory, durable with
 the sync thread, durable inline; one and two producers), 3 rounds: the issue's ">= 20x" reads
@@ -232,9 +233,9 @@ def _push_windowed(client: Any, pool: list[Any], tag: str, stop: Any, window: in
 
 def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int,
                     tokens: tuple[int, int], threads: int = 1, fsync: str | None = None,
-                    window: int = 0, auth: bool = True, sync_thread: bool = True) -> dict[str, float]:
-    """`fsync`: with the durable log (that fsync policy; `sync_thread`: fsync off the socket loop),
-    in a temporary directory; None: without.
+                    window: int = 0, auth: bool = True, sync_thread: bool | None = None) -> dict[str, float]:
+    """`fsync`: with the durable log (that fsync policy; `sync_thread`: fsync off the socket loop,
+    None: as configured), in a temporary directory; None: without.
     `window`: pipelined pushes (see `_buffer_producer`). The learner side is what learner rank 0
     does: raw frames from the buffer (`get_batch_frames`), decoded once."""
     import tempfile
@@ -246,7 +247,8 @@ def _through_buffer(cfg: Any, batch_size: int, n: int, producers: int, seed: int
     secret = cfg.secret if auth else None
     log_dir = tempfile.TemporaryDirectory(prefix="asyncrl-bench-wal-") if fsync else None
     if fsync:
-        durable = cfg.durable.model_copy(update={"enable": True, "fsync": fsync, "sync_thread": sync_thread})
+        thread = cfg.durable.sync_thread if sync_thread is None else sync_thread
+        durable = cfg.durable.model_copy(update={"enable": True, "fsync": fsync, "sync_thread": thread})
         cfg = cfg.model_copy(update={"durable": durable})
     log_path = f"{log_dir.name}/buffer.wal" if log_dir else None
     spawn = mp.get_context("spawn")
@@ -339,13 +341,13 @@ def _paths(cfg: Any, n: int, tokens: tuple[int, int], smoke: bool, durable_only:
 
     pipelined = {
         "buffer_window": through(1, 1, window=window),
-        "buffer_durable_window": through(1, 1, fsync="always", window=window),
+        "buffer_durable_window": through(1, 1, fsync="always", window=window, sync_thread=True),
         "buffer_durable_window_inline": through(1, 1, fsync="always", window=window, sync_thread=False),
     }
     if not smoke:  # two pipelined producers: more pushes reach the server together (what group commit groups)
         pipelined.update({
             "buffer_window_2_producers": through(2, 21, window=window),
-            "buffer_durable_window_2_producers": through(2, 21, fsync="always", window=window),
+            "buffer_durable_window_2_producers": through(2, 21, fsync="always", window=window, sync_thread=True),
             "buffer_durable_window_2_producers_inline": through(2, 21, fsync="always", window=window,
                                                                 sync_thread=False)})
     if durable_only:

@@ -313,11 +313,13 @@ class DurableConfig(Section):
     every `fsync_interval_s`; `never`: leave it to the OS. Every policy survives a process death."""
     fsync_interval_s: float = Field(1.0, gt=0)
     """fsync period for `fsync: interval`."""
-    sync_thread: bool = True
+    sync_thread: bool = False
     """`fsync: always`: fsync on a thread of its own while the socket loop keeps receiving, checking
     and appending pushes; each acknowledgement still leaves only after the fsync that covers its
     record (group commit: the pushes that arrive during one fsync share the next). false: the loop
-    fsyncs in line and serves nothing meanwhile (the baseline `bench buffer --durable-only` compares)."""
+    fsyncs in line and serves nothing meanwhile. Off by default: on a loaded 2-core machine the
+    thread handoffs cost more than the overlap gained; `bench buffer --durable-only` measures both
+    (`sync_thread_ratio`) on the buffer host's kind of machine."""
     compact_min_mb: float = Field(64.0, gt=0)
     """The log is rewritten with only the live groups once it exceeds max(this, 2 x buffered MiB)."""
     restored_lease_s: float = Field(300.0, gt=0)

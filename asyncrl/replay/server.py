@@ -26,7 +26,7 @@ Guarantees
 - Group commit: the replies of one pass (a burst of up to 256 requests drained at once) wait for
   the sync that covers the log records appended up to the end of the pass, so each acknowledged
   push is on disk (fsync) before its acknowledgement and one fsync covers the pushes that arrived
-  together. With `durable.sync_thread` (the default for `fsync: always`) the fsync runs on a thread
+  together. With `durable.sync_thread` (for `fsync: always`; off by default) the fsync runs on a thread
   of its own (`wal.SyncThread`) while the loop keeps receiving, checking and appending; replies
   wait in arrival order, tagged with the log position they need, and leave when the sync thread
   reports that position durable (it wakes the poller). Without it the loop fsyncs in line.

@@ -207,7 +207,7 @@ def test_the_loop_keeps_appending_during_a_sync_and_no_ack_leaves_before_its_syn
         real_fsync(fd)
 
     monkeypatch.setattr(wal_module, "_fsync", fsync)
-    cfg = BufferConfig(max_staleness=1, capacity_groups=64)
+    cfg = BufferConfig(max_staleness=1, capacity_groups=64, durable={"sync_thread": True})
     server = ReplayBufferServer(cfg, batch_size=32, log_path=str(tmp_path / "b.wal"))
     client = BufferClient(server.start(), secret=cfg.secret, reply_grace_s=10.0)
     acked_before_fsync = watch_acks(server)
