@@ -8,7 +8,13 @@ every few seconds while it waits for a batch and after every step (`FailureWatch
   message; asyncrl.rewards.guard); each distinct reward failure is one console line, with its count;
 - groups re-issued because a verifier failure ended their conversations (never trained as the
   policy's failure) are one console line the first time; a verifier whose every call in a poll
-  window failed is a console line ("outage"), and one more when it answers again.
+  window failed is a console line ("outage"), and one more when it answers again. An outage that
+  lasts `verifier.outage_wait_s` stops the job with `VerifierOutage` (the back-end, the time, the
+  last error). Until then the job waits for it: the rollout actors keep starting groups (their
+  verifier calls are what notices the verifier is back; each failed group is re-issued, never
+  trained) and the driver's batch deadline is extended (`outage`), so a short outage costs time,
+  not the run, and a lasting one (a wrong URL, a revoked key, a dead service) ends the job with its
+  cause and a checkpoint instead of "is the rollout fleet alive?".
 `DivergenceWatch` stops the job with `TrainingDiverged` after `learner.max_nonfinite_steps` learner
 steps in a row had no finite gradient (every optimizer step skipped) or a non-finite loss, naming
 the newest checkpoint written before the streak began.
@@ -45,6 +51,10 @@ class RewardFunctionFailed(JobStop):
     advice = "fix the reward function (reward.function), then resume with trainer.resume=auto"
 
 
+class VerifierOutage(JobStop):
+    advice = "bring the verifier back (verifier.backend, verifier.http.base_url), then resume with trainer.resume=auto"
+
+
 class TrainingDiverged(JobStop):
     checkpoint = False  # the weights are what diverged: the last good checkpoint is named instead
     advice = "lower learner.optim.lr (or check the data), then resume from the last good checkpoint"
@@ -53,11 +63,19 @@ class TrainingDiverged(JobStop):
 class FailureWatch:
     """Polls `fleet`'s actors (`health()`), says each new failure once, raises a `JobStop` when fatal."""
 
-    def __init__(self, fleet: Any, echo: Callable[[str], None] = say, min_interval_s: float = 2.0):
+    def __init__(self, fleet: Any, echo: Callable[[str], None] = say, min_interval_s: float = 2.0,
+                 outage_wait_s: float = 0.0, verifier: str = "the verifier",
+                 clock: Callable[[], float] = time.monotonic):
+        """`outage_wait_s`: how long a verifier outage may last before `VerifierOutage` (0: forever);
+        `verifier`: how the back-end is named in the messages."""
         self.fleet, self.echo, self.min_interval_s = fleet, echo, min_interval_s
+        self.outage_wait_s, self.verifier, self.clock = outage_wait_s, verifier, clock
         self.seen_kinds: dict[str, int] = {}
         self.verifier_seen: dict[str, tuple[int, int]] = {}  # actor -> (calls, errors) at the last poll
         self.outage = False
+        self.outage_since = 0.0
+        self.outage_calls = 0  # verifier calls failed since the outage began
+        self.last_verifier_error = ""
         self.reissued_said = False
         self.last_check = -math.inf
 
@@ -107,13 +125,25 @@ class FailureWatch:
                 errors += int(v["errors"]) - e0
                 self.verifier_seen[aid] = (int(v["calls"]), int(v["errors"]))
                 last_error = v.get("last_error") or last_error
+        self.last_verifier_error = last_error or self.last_verifier_error
         if calls >= OUTAGE_MIN_CALLS and errors == calls and not self.outage:
-            self.outage = True
-            self.echo(f"verifier outage: all {calls} verifier call(s) since the last check failed (last error: "
-                      f"{last_error}); their groups are re-issued, nothing is trained until it answers again")
+            self.outage, self.outage_since, self.outage_calls = True, self.clock(), 0
+            limit = (f"the job stops if it lasts verifier.outage_wait_s={self.outage_wait_s:.0f}s"
+                     if self.outage_wait_s > 0 else "the job waits for it (verifier.outage_wait_s=0)")
+            self.echo(f"verifier outage: all {calls} call(s) to {self.verifier} since the last check failed (last "
+                      f"error: {last_error}); their groups are re-issued, nothing is trained until it answers "
+                      f"again; {limit}")
         elif self.outage and calls > errors:
             self.outage = False
-            self.echo(f"the verifier answers again ({calls - errors}/{calls} call(s) succeeded since the last check)")
+            self.echo(f"the verifier answers again ({calls - errors}/{calls} call(s) succeeded since the last check, "
+                      f"after {self.clock() - self.outage_since:.0f}s of outage): training goes on")
+        if self.outage:
+            self.outage_calls += errors
+            lasted = self.clock() - self.outage_since
+            if 0 < self.outage_wait_s <= lasted:
+                raise VerifierOutage(f"{self.verifier} failed every call for {lasted:.0f}s ({self.outage_calls} "
+                                     f"failed call(s); verifier.outage_wait_s={self.outage_wait_s:.0f}); last error: "
+                                     f"{self.last_verifier_error or 'none reported'}")
 
     def counted(self) -> str:
         """The distinct reward failures with their counts, for the closing message."""
@@ -186,3 +216,11 @@ def stop_named(exc: JobStop, run_dir: Path, progress: Any, logger: MetricLogger,
     except Exception as exc3:  # noqa: BLE001 - already failing; the sinks' files are flushed per row
         say(f"the metric sinks could not be closed: {type(exc3).__name__}: {exc3}")
     return 3
+
+
+def verifier_name(cfg: Any) -> str:
+    """The verifier back-end as the console names it (the URL for `http`)."""
+    v = cfg.verifier
+    if v.backend == "http":
+        return f"the http verifier at {v.http.base_url}"
+    return f"the {v.backend} verifier" + (f" ({v.model_path})" if v.backend == "vllm" and v.model_path else "")

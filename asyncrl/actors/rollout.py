@@ -32,7 +32,6 @@ from asyncrl.config import Config, rollout_cpu_nice
 from asyncrl.small_machine.process import renice, renice_children
 
 log = logging.getLogger("asyncrl.rollout")
-VERIFIER_RERUNS = 2  # re-runs of the conversations a verifier failure ended, before the group is re-issued
 BUSY_STATE_S = 0.5  # how often a loop with every group slot busy asks the coordinator whether to stop
 
 
@@ -268,8 +267,8 @@ class RolloutWorker:
                 convs = await conversations(self.cfg)
                 self._count_conversations(convs)
                 # Conversations a verifier failure ended are the verifier's failure, never the policy's: run
-                # again (fresh seeds, same slots) up to VERIFIER_RERUNS times, then the group is re-issued.
-                for attempt in range(1, VERIFIER_RERUNS + 1):
+                # again (fresh seeds, same slots) up to verifier.error_reruns times, then the group is re-issued.
+                for attempt in range(1, self.cfg.verifier.error_reruns + 1):
                     failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
                     if not failed:
                         break
@@ -293,7 +292,7 @@ class RolloutWorker:
                              "re-run(s); the group is re-issued, not trained (later ones are counted: "
                              "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
                              next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
-                             VERIFIER_RERUNS)
+                             self.cfg.verifier.error_reruns)
                 return  # finally: its ticket is released and the coordinator issues the prompt again
             group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,

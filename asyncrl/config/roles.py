@@ -248,6 +248,16 @@ class VerifierConfig(Section):
     """http back-end settings."""
     client: VerifierClientConfig = Field(default_factory=VerifierClientConfig)
     """Client used by rollout actors: deadlines, retries, concurrency."""
+    error_reruns: int = Field(2, ge=0)
+    """Times the conversations a verifier failure ended are run again (fresh seeds, same group slots)
+    before their group is re-issued untrained (`rollout.guide.on_error: stop`); a verifier failure is
+    never trained as the policy's failure. 0 = re-issue the group at once. Each re-run costs the
+    policy's and the verifier's calls for those conversations again."""
+    outage_wait_s: float = Field(300.0, ge=0)
+    """How long a verifier outage (every verifier call in a few seconds failed; said on the console)
+    may last before the job stops with `VerifierOutage` (exit 3, after a checkpoint; resume once the
+    verifier answers). Meanwhile nothing is trained and groups are re-issued, and the learner's batch
+    deadline waits for it. 0 = wait as long as it takes."""
 
     @property
     def engine_dtype(self) -> str:
@@ -303,6 +313,13 @@ class DurableConfig(Section):
     every `fsync_interval_s`; `never`: leave it to the OS. Every policy survives a process death."""
     fsync_interval_s: float = Field(1.0, gt=0)
     """fsync period for `fsync: interval`."""
+    sync_thread: bool = False
+    """`fsync: always`: fsync on a thread of its own while the socket loop keeps receiving, checking
+    and appending pushes; each acknowledgement still leaves only after the fsync that covers its
+    record (group commit: the pushes that arrive during one fsync share the next). false: the loop
+    fsyncs in line and serves nothing meanwhile. Off by default: on a loaded 2-core machine the
+    thread handoffs cost more than the overlap gained; `bench buffer --durable-only` measures both
+    (`sync_thread_ratio`) on the buffer host's kind of machine."""
     compact_min_mb: float = Field(64.0, gt=0)
     """The log is rewritten with only the live groups once it exceeds max(this, 2 x buffered MiB)."""
     restored_lease_s: float = Field(300.0, gt=0)

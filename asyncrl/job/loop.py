@@ -22,10 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
 from asyncrl.eval import EVAL_KEYS, evaluate_on_fleet
-from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop
+from asyncrl.failure_watch import DivergenceWatch, FailureWatch, JobStop, verifier_name
 from asyncrl.job.checkpoint import write_job_checkpoint
 from asyncrl.job.commands import run_queued
-from asyncrl.job.disk_watch import DiskFull, DiskWatch, emergency_root, is_disk_full, remove_partial
+from asyncrl.job.disk_watch import (
+    DiskFull,
+    DiskWatch,
+    buffer_log_full,
+    emergency_root,
+    is_disk_full,
+    remove_partial,
+)
 from asyncrl.job.recovery import LearnerRecovery, Progress, ServiceWatch, mark_resume, stop_on_failure
 from asyncrl.job.step_metrics import GroupLengths, StepClock, batch_metrics
 from asyncrl.job.topology import Topology
@@ -54,10 +61,12 @@ class Trainer:
         self.progress = Progress(step=step, version=version)
         self.learner_recovery = LearnerRecovery(cfg, topo, self.fleet, run_dir)
         self.services = ServiceWatch(cfg, topo)
-        self.failures = FailureWatch(self.fleet)  # reward / verifier failures said once, fatal ones stop the job
+        self.failures = FailureWatch(self.fleet, outage_wait_s=cfg.verifier.outage_wait_s,
+                                     verifier=verifier_name(cfg))  # failures said once, fatal ones stop the job
         self.divergence = DivergenceWatch(cfg.learner.max_nonfinite_steps, run_dir / "checkpoints")
         self.disk = DiskWatch(run_dir, cfg.trainer.min_free_disk_mb, cfg.trainer.disk_full_wait_s,
-                              lambda admitting: topo.coordinator.set_admitting.remote(admitting))
+                              lambda admitting: topo.coordinator.set_admitting.remote(admitting),
+                              buffer_log_full=lambda: buffer_log_full(topo.buffer))
         self.lengths = GroupLengths()
         self.clock = StepClock()
         self.summary: dict[str, Any] = {}  # the evaluations before/after (summary.json)
@@ -188,7 +197,7 @@ class Trainer:
                 break
             self.failures.check()  # a broken reward function stops the job now, not at the batch timeout
             self.disk.check()  # a full disk pauses admission (its own limit replaces the batch timeout)
-            if self.disk.paused:
+            if self.disk.paused or self.failures.outage:  # their own limits replace the batch timeout
                 deadline = max(deadline, time.time() + 5.0)
             got = self.topo.learner.fetch(self.topo.buffer_address, num_groups - len(metas), self.version,
                                           min(left, 5.0))

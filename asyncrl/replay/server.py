@@ -23,9 +23,13 @@ Guarantees
 - The socket thread survives its own bugs: an exception in the loop is logged and counted
   (`buffer/loop_errors`) and the loop goes on; after 100 in a row it stops and `healthy()` turns
   False with the cause (the `BufferHost` actor's `stats`/`set_version` then raise it).
-- Group commit: the replies to a burst of requests (up to 256 drained at once) are sent after one
-  `commit()` of the durable log, so each acknowledged push is on disk (fsync) before its
-  acknowledgement and one fsync covers the pushes that arrived together.
+- Group commit: the replies of one pass (a burst of up to 256 requests drained at once) wait for
+  the sync that covers the log records appended up to the end of the pass, so each acknowledged
+  push is on disk (fsync) before its acknowledgement and one fsync covers the pushes that arrived
+  together. With `durable.sync_thread` (for `fsync: always`; off by default) the fsync runs on a thread
+  of its own (`wal.SyncThread`) while the loop keeps receiving, checking and appending; replies
+  wait in arrival order, tagged with the log position they need, and leave when the sync thread
+  reports that position durable (it wakes the poller). Without it the loop fsyncs in line.
 - A full disk is its own condition: a push whose record cannot be written is taken back and
   answered `disk_full` (nothing diverges from the log), no ticket is granted while the log is full
   (admission pauses; `buffer/disk_full` = 1, `buffer/refused/disk_full` counts), and the first
@@ -55,6 +59,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +96,10 @@ from asyncrl.replay.auth import verify
 from asyncrl.replay.bounds import VERSION_LEAD, OutOfRange, check_group, check_int, check_wait
 from asyncrl.replay.snapshot import read_snapshot, write_snapshot
 from asyncrl.replay.state import BufferState, StoredGroup, UnknownTicket
-from asyncrl.replay.wal import BufferLog, LogFull
+from asyncrl.replay.wal import BufferLog, LogFull, SyncThread
 
 T = TypeVar("T")
+Reply = tuple[bytes, bytes, Any, list[Any], "Callable[[], None] | None"]  # ident, rid, msg, frames, on_fail
 
 log = logging.getLogger(__name__)
 CONTROL_MAX_BYTES = 1 << 20
@@ -148,7 +154,9 @@ class ReplayBufferServer:
         self._tickets: dict[bytes, dict[str, _Waiter]] = {}  # per connection, per actor id; round-robin
         self._parked_tickets = 0
         self._batches: dict[bytes, _Waiter] = {}  # one per connection, in arrival order
-        self._outbox: list[tuple[bytes, bytes, Any, list[Any], Callable[[], None] | None]] = []
+        self._outbox: list[Reply] = []
+        self._syncer: SyncThread | None = None  # durable.sync_thread: fsyncs off the socket loop
+        self._unsynced: deque[tuple[int, list[Reply]]] = deque()  # replies by the log position they need
         self._auth: Any = None
         self._loop_error: BaseException | None = None
         self.disk_full = False  # the durable log could not be written; cleared by the next write that can
@@ -358,9 +366,13 @@ class ReplayBufferServer:
             self._ready.set()
             ctx.destroy(linger=0)
             return
+        if self.log is not None and self.log.fsync == "always" and self.cfg.durable.sync_thread:
+            self._syncer = SyncThread(self.log)
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if self._syncer is not None:
+            poller.register(self._syncer.wake_fd, zmq.POLLIN)
         failures = 0
         try:
             while not self._stop.is_set():
@@ -380,10 +392,13 @@ class ReplayBufferServer:
             self._loop_error = exc
             raise
         finally:
+            self._last_sync(sock)
             sock.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
             ctx.term()
+            if self._syncer is not None:
+                self._syncer.stop()
             if self.log is not None:
                 self.log.close()
 
@@ -392,6 +407,8 @@ class ReplayBufferServer:
         every reply of the pass (group commit: nothing is acknowledged before it is durable)."""
         try:
             if poller.poll(self._poll_ms()):
+                if self._syncer is not None:
+                    self._syncer.drain()
                 for _ in range(256):  # drain a burst, then look after waiters and deadlines
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -423,21 +440,60 @@ class ReplayBufferServer:
         self._outbox.append((ident, rid, msg, list(extra), on_fail))
 
     def _flush(self, sock: zmq.Socket) -> None:
+        if self._syncer is not None:
+            return self._release_synced(sock)
         if not self._outbox:
             return
+        out, self._outbox = self._outbox, []
         try:
             self._commit()
-        except OSError as exc:  # fsync failed: what was written may not be on disk; acknowledge nothing
-            self.state.counters["log_failures"] += 1
-            log.error("replay buffer: the durable log's commit failed (%s)", exc)
-            for ident, rid, _, _, on_fail in self._outbox:
-                if on_fail is not None:
-                    on_fail()
-                self._deliver(sock, ident, rid, ErrorReply("internal", f"durable log commit failed: {exc}"), [])
+        except OSError as exc:
+            self._fail_unsynced(sock, out, exc)
+        self._deliver_all(sock, out)
+
+    def _release_synced(self, sock: zmq.Socket) -> None:
+        """Group commit with the sync thread: this pass's replies wait for the log position appended
+        so far; every batch whose position is durable leaves, in arrival order."""
+        assert self._syncer is not None and self.log is not None
+        if self._outbox:
+            need = self.log.lsn
+            self._unsynced.append((need, self._outbox))
             self._outbox = []
-            raise
-        out, self._outbox = self._outbox, []
-        for ident, rid, msg, extra, on_fail in out:
+            if need > self.log.committed:
+                self._syncer.request(need)
+        error = self._syncer.take_error()
+        while self._unsynced and self._unsynced[0][0] <= self.log.committed:
+            self._deliver_all(sock, self._unsynced.popleft()[1])
+        if error is not None:  # counted, said, and nothing that waited for the sync is acknowledged
+            waiting = [reply for _, replies in self._unsynced for reply in replies]
+            self._unsynced.clear()
+            self._fail_unsynced(sock, waiting, error)
+
+    def _last_sync(self, sock: zmq.Socket) -> None:
+        """On the way out, one sync in line so that what waited for the sync thread is acknowledged
+        before the socket closes (as the in-line mode sends every reply of its last pass)."""
+        if self._syncer is None or not (self._unsynced or self._outbox):
+            return
+        try:
+            with self._lock:
+                assert self.log is not None
+                self.log.commit()
+                self._release_synced(sock)
+        except Exception:  # noqa: BLE001 - stopping anyway; the producers' retries cover what was not acknowledged
+            log.exception("replay buffer: the last sync before stopping failed")
+
+    def _fail_unsynced(self, sock: zmq.Socket, replies: list[Reply], exc: OSError) -> None:
+        """The fsync failed: what was written may not be on disk, so none of `replies` is acknowledged."""
+        self.state.counters["log_failures"] += 1
+        log.error("replay buffer: the durable log's commit failed (%s)", exc)
+        for ident, rid, _, _, on_fail in replies:
+            if on_fail is not None:
+                on_fail()
+            self._deliver(sock, ident, rid, ErrorReply("internal", f"durable log commit failed: {exc}"), [])
+        raise exc
+
+    def _deliver_all(self, sock: zmq.Socket, replies: list[Reply]) -> None:
+        for ident, rid, msg, extra, on_fail in replies:
             if not self._deliver(sock, ident, rid, msg, extra) and on_fail is not None:
                 on_fail()
 

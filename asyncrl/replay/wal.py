@@ -31,9 +31,13 @@ Guarantees
   what it could not log. A compaction that cannot write its new file keeps the old log (still
   whole) and says how much space it needs; so does a recovery on a full disk, which then serves
   what it recovered without compacting (`LogFull.needed_bytes`).
-- Group commit: `append_*` only write; `commit()` makes everything appended since durable with
-  one fsync (`fsync="always"`), so the server acknowledges the pushes that arrived together
-  after one fsync.
+- Group commit: `append_*` only write; every record gets the next log sequence number (`lsn`, one
+  per record, never reset by a compaction) and `committed` is the highest one the fsync policy
+  counts as durable. `commit()` makes everything appended so far durable with one fsync, in the
+  caller's thread; `SyncThread` does the same off the caller's thread (PostgreSQL's WAL flush
+  model: a waiter needs `committed >= its lsn`, and one fsync covers every record appended
+  before it started), so the socket loop keeps receiving, checking and appending while a sync
+  runs and the records appended meanwhile share the next one.
 - The log does not grow without bound: it is rewritten (atomically: temporary file, fsync, rename)
   holding only the live groups once it is larger than ``max(compact_min_bytes, 2 x live bytes)``,
   and emptied down to one state record whenever the buffer is drained.
@@ -45,6 +49,7 @@ import errno
 import logging
 import os
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterable
@@ -65,6 +70,7 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # The system calls that write the log, named so a test can stand a full disk in front of them.
 _writev = os.writev
 _write = os.write
+_fsync = os.fsync  # likewise, so a test can hold a sync and watch what waits for it
 
 
 class LogFull(OSError):
@@ -104,7 +110,10 @@ class BufferLog:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         self.size = os.fstat(self._fd).st_size
         self._last_sync = time.monotonic()
-        self._dirty = False
+        self.lsn = 0  # records appended (log sequence number of the newest)
+        self.committed = 0  # the newest lsn that is durable per the fsync policy
+        self._fd_lock = threading.Lock()  # a sync never meets a file descriptor being swapped or closed
+        self._count_lock = threading.Lock()
         self.torn_bytes = 0  # cut off the tail by the last replay
         self.damaged: list[DamagedRecord] = []  # skipped by the last replay
         self.lost: list[tuple[int, str]] = []  # (seq, uid) of live groups whose record was damaged
@@ -147,20 +156,29 @@ class BufferLog:
                 raise LogFull(self.path, size, exc) from exc
             raise
         self.size += size
-        self._dirty = True
+        self.lsn += 1
 
     def commit(self) -> None:
         """Makes what was appended durable per the fsync policy; call before acknowledging it."""
-        if not self._dirty:
+        if self.committed >= self.lsn:
             return
-        now = time.monotonic()
-        if self.fsync == "always" or (self.fsync == "interval" and now - self._last_sync >= self.fsync_interval_s):
-            os.fsync(self._fd)
-            self.fsyncs += 1
-            self._last_sync = now
-            self._dirty = False
+        if self.fsync == "always" or (self.fsync == "interval"
+                                      and time.monotonic() - self._last_sync >= self.fsync_interval_s):
+            self.sync()
         elif self.fsync == "never":
-            self._dirty = False
+            self.committed = self.lsn
+
+    def sync(self) -> int:
+        """One fsync covering every record appended before it started; returns the lsn it covers.
+        Safe from another thread while the owner appends (`SyncThread`)."""
+        target = self.lsn  # read first: a record counted here was written whole before the count moved
+        with self._fd_lock:
+            _fsync(self._fd)
+        with self._count_lock:
+            self.fsyncs += 1
+            self.committed = max(self.committed, target)
+            self._last_sync = time.monotonic()
+        return target
 
     def needs_compaction(self, live_bytes: int, buffered: int) -> bool:
         if buffered == 0:
@@ -188,19 +206,22 @@ class BufferLog:
                 raise LogFull(self.path, needed, exc) from exc
             raise
         os.close(fd)
-        os.replace(tmp, self.path)
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
-        self.size = os.fstat(self._fd).st_size
-        self._dirty = False
+        with self._fd_lock:
+            os.replace(tmp, self.path)
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+            self.size = os.fstat(self._fd).st_size
+        with self._count_lock:  # the new file was synced whole: everything appended so far is durable
+            self.committed = self.lsn
 
     def close(self) -> None:
-        if self._fd >= 0:
-            try:
-                os.fsync(self._fd)
-            finally:
-                os.close(self._fd)
-                self._fd = -1
+        with self._fd_lock:
+            if self._fd >= 0:
+                try:
+                    _fsync(self._fd)
+                finally:
+                    os.close(self._fd)
+                    self._fd = -1
 
     # ------------------------------------------------------------------------------ replay
     def replay(self) -> tuple[dict[str, Any] | None, list[tuple[dict[str, Any], bytes]]]:
@@ -288,3 +309,72 @@ class BufferLog:
             except Exception:  # noqa: BLE001 - the metadata itself is damaged: offset and length only
                 pass
         return bad
+
+
+class SyncThread:
+    """Group commit off the socket loop: the loop appends, asks for a sync up to an lsn
+    (`request`) and goes on serving; this thread runs one fsync covering everything appended when
+    it starts, publishes `log.committed`, and writes a byte to `wake_fd` so the loop's poller wakes
+    to release the acknowledgements that sync covers. Requests that arrive during a sync are
+    covered together by the next one (PostgreSQL's XLogFlush waiters; etcd likewise saves a batch
+    of entries with one fsync before it sends what depends on them).
+
+    A failed fsync is kept in `error` (`take_error`) for the loop, which then acknowledges nothing
+    it was waiting for; the next request tries again."""
+
+    def __init__(self, log: BufferLog) -> None:
+        self.log = log
+        self._cond = threading.Condition()
+        self._want = 0
+        self._stop = False
+        self._error: OSError | None = None
+        self.wake_fd, self._notify_fd = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._notify_fd, False)
+        self._thread = threading.Thread(target=self._run, name="replay-buffer-fsync", daemon=True)
+        self._thread.start()
+
+    def request(self, lsn: int) -> None:
+        with self._cond:
+            if lsn > self._want:
+                self._want = lsn
+                self._cond.notify()
+
+    def drain(self) -> None:
+        """Empties the wake pipe (the loop calls it when the pipe polled readable)."""
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def take_error(self) -> OSError | None:
+        with self._cond:
+            error, self._error = self._error, None
+            return error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._want <= self.log.committed:
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                self.log.sync()
+            except OSError as exc:
+                with self._cond:
+                    self._error = exc
+                    self._want = self.log.committed  # the loop fails what waited; a new request retries
+            try:
+                os.write(self._notify_fd, b"\0")
+            except BlockingIOError:  # the pipe is full: the loop has wake-ups pending already
+                pass
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        os.close(self.wake_fd)
+        os.close(self._notify_fd)

@@ -6,7 +6,9 @@ line, function, message) within seconds of the first failures, not after `learne
 with "is the rollout fleet alive?", and the error is on the console once, not once per group; a reward
 plug-in that hangs is named as hung (`reward.call_timeout_s`) and no process of the job (engine core,
 rollout worker with the hung call) is alive after the launcher exits; `learner.optim.lr=1e3` stops
-with a named divergence error naming the last good checkpoint.
+with a named divergence error naming the last good checkpoint; a total outage of an HTTP verifier's
+upstream is said on the console and stops the job with `VerifierOutage` after `verifier.outage_wait_s`,
+nothing trained.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -207,3 +210,76 @@ def test_a_failing_http_verifier_upstream_is_counted_and_never_trained(tmp_path:
     last = rows[-1]
     assert last["rollout/conversations_rerun_verifier_error"] + last["rollout/groups_reissued_verifier_error"] > 0
     assert all(r.get("rollout/finish_reason/verifier_error", 0) == 0 for r in rows)
+
+
+def _upstream(answer) -> Any:
+    """An OpenAI-compatible upstream on loopback; `answer()` -> True for a good reply, False for a 502."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    calls = {"n": 0}
+
+    class Upstream(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            calls["n"] += 1
+            ok = answer()
+            body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "###STOP###"},
+                                            "finish_reason": "stop"}],
+                               "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode() if ok else \
+                b'{"error": {"message": "upstream down"}}'
+            self.send_response(200 if ok else 502)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    server.calls = calls  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_total_verifier_outage_is_said_and_stops_the_job_after_outage_wait_s(tmp_path: Path) -> None:
+    """verifier.backend=http whose upstream answers until the first step is trained, then answers every
+    call with 502 (a verifier that is down from the start is refused by the start-up probe instead):
+    the console says the outage began (naming the back-end and the last error), nothing the verifier
+    could not judge is trained, and after `verifier.outage_wait_s` the job stops with `VerifierOutage`,
+    exit 3, instead of waiting out `learner.batch_timeout_s` (600 s here) and blaming the rollout fleet."""
+    import json
+
+    down = threading.Event()
+    metrics = tmp_path / "outage" / "metrics.jsonl"
+
+    def take_it_down_after_the_first_step() -> None:
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.5)
+        down.set()
+
+    threading.Thread(target=take_it_down_after_the_first_step, daemon=True).start()
+    server = _upstream(lambda: not down.is_set())
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        proc, took = launch(tmp_path, "trainer.experiment_name=outage", "trainer.max_steps=50",
+                            "trainer.save_every=-1", "verifier.backend=http", f"verifier.http.base_url={url}",
+                            "verifier.http.max_retries=0", "verifier.client.max_retries=0", "verifier.outage_wait_s=30")
+    finally:
+        server.shutdown()
+    out = proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    rows = [r for r in rows if "train/version" in r or "verifier/error_rate" in r]
+    print("upstream calls:", server.calls["n"], "steps logged:", len(rows), "verifier/error_rate per step:",
+          [r.get("verifier/error_rate") for r in rows], f"; {took:.1f}s from the fleet's start to the exit")
+    print("".join(line + "\n" for line in out.splitlines()
+                  if "verifier outage" in line or "VerifierOutage" in line or line.startswith("stopping at")))
+    assert down.is_set(), out[-4000:]
+    assert proc.returncode == 3, out[-4000:]
+    assert "verifier outage: all " in out and f"the http verifier at {url}" in out, out[-4000:]
+    assert "error: VerifierOutage: " in out and "verifier.outage_wait_s=30" in out, out[-4000:]
+    assert "is the rollout fleet alive" not in out
+    assert 1 <= len(rows) < 50 and all(0.0 <= r.get("verifier/error_rate", 0.0) <= 1.0 for r in rows)
+    assert all(r.get("rollout/finish_reason/verifier_error", 0) == 0 for r in rows)  # none trained

@@ -5,12 +5,17 @@ ENOSPC, as a full file system answers them) is a named condition: the push is an
 `disk_full` and not kept in memory either (what the buffer holds equals what a restart recovers),
 no ticket is granted meanwhile (`buffer/disk_full` = 1), and pushes resume once space is back;
 a recovery on a full disk serves what it recovered and says what space the compaction needs;
-group commit: pushes that arrive together share one fsync and none is acknowledged before it."""
+group commit: pushes that arrive together share one fsync and none is acknowledged before it, with
+the fsync in line or on its own thread; with the sync thread, a held fsync (a fake that waits on an
+event, real ZeroMQ and files around it) leaves the loop receiving and appending pushes while none
+of them is acknowledged until the sync that covers it completes; a failed fsync acknowledges nothing
+it covered (an `internal` error, counted) and the next sync makes the same records durable."""
 
 from __future__ import annotations
 
 import errno
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,19 +150,30 @@ def test_recovery_on_a_full_disk_serves_what_it_recovered(tmp_path: Path, monkey
         assert [decode(g.blob).prompt_uid for g in b.state.take(4)] == ["p/0", "p/1", "p/2", "p/3"]
 
 
-def test_pushes_that_arrive_together_share_one_fsync_and_are_acked_after_it(tmp_path: Path) -> None:
-    cfg = BufferConfig(max_staleness=1, capacity_groups=256)
-    server = ReplayBufferServer(cfg, batch_size=64, log_path=str(tmp_path / "b.wal"))
-    client = BufferClient(server.start(), secret=cfg.secret, reply_grace_s=10.0)
-    real_deliver = server._deliver
-    acked_before_fsync = []
+def watch_acks(server: ReplayBufferServer) -> list:
+    """Records every stored-push acknowledgement that leaves before the log position its pass had
+    appended is durable (the pass's replies are queued with `_send`; `log.lsn` then is what they need)."""
+    real_send, real_deliver, needs, early = server._send, server._deliver, {}, []
+
+    def send(sock, ident, rid, msg, extra=(), on_fail=None):
+        needs[rid] = server.log.lsn  # at least: the pass may append more before its sync (never less)
+        return real_send(sock, ident, rid, msg, extra, on_fail)
 
     def deliver(sock, ident, rid, msg, extra):  # the moment an acknowledgement leaves
-        if isinstance(msg, PushReply) and msg.status == "stored" and server.log._dirty:
-            acked_before_fsync.append(msg)
+        if isinstance(msg, PushReply) and msg.status == "stored" and server.log.committed < needs[rid]:
+            early.append(msg)
         return real_deliver(sock, ident, rid, msg, extra)
 
-    server._deliver = deliver
+    server._send, server._deliver = send, deliver
+    return early
+
+
+@pytest.mark.parametrize("sync_thread", [True, False], ids=["sync-thread", "inline-fsync"])
+def test_pushes_that_arrive_together_share_one_fsync_and_are_acked_after_it(tmp_path: Path, sync_thread) -> None:
+    cfg = BufferConfig(max_staleness=1, capacity_groups=256, durable={"sync_thread": sync_thread})
+    server = ReplayBufferServer(cfg, batch_size=64, log_path=str(tmp_path / "b.wal"))
+    client = BufferClient(server.start(), secret=cfg.secret, reply_grace_s=10.0)
+    acked_before_fsync = watch_acks(server)
     window = PushWindow(client, window=16)
     try:
         tickets = [client.acquire_ticket(1.0) for _ in range(64)]
@@ -171,3 +187,84 @@ def test_pushes_that_arrive_together_share_one_fsync_and_are_acked_after_it(tmp_
         server.stop()
     assert not acked_before_fsync
     assert fsyncs < 64, f"{fsyncs} fsyncs for 64 pushes sent 16 at a time"
+    assert buffer(tmp_path / "b.wal", recover=True).state.buffered == 64  # each acknowledged push is in the log
+
+
+def test_the_loop_keeps_appending_during_a_sync_and_no_ack_leaves_before_its_sync(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """The sync thread's fsync is held on an event: the pushes sent meanwhile are received, checked
+    and appended (the loop does not wait for the disk), none of them is acknowledged, and once the
+    sync is let go they all are, sharing one more fsync."""
+    import threading
+
+    real_fsync, held, entered = wal_module._fsync, threading.Event(), threading.Event()
+    gate = threading.Event()
+
+    def fsync(fd):
+        if held.is_set():
+            entered.set()
+            assert gate.wait(30), "the test never let the sync go"
+        real_fsync(fd)
+
+    monkeypatch.setattr(wal_module, "_fsync", fsync)
+    cfg = BufferConfig(max_staleness=1, capacity_groups=64, durable={"sync_thread": True})
+    server = ReplayBufferServer(cfg, batch_size=32, log_path=str(tmp_path / "b.wal"))
+    client = BufferClient(server.start(), secret=cfg.secret, reply_grace_s=10.0)
+    acked_before_fsync = watch_acks(server)
+    window = PushWindow(client, window=8)
+    try:
+        tickets = [client.acquire_ticket(1.0) for _ in range(6)]  # granted and synced before the hold
+        held.set()
+        first = window.submit(group(0, 0), tickets[0])
+        assert entered.wait(10), "the first push's sync never started"
+        fsyncs0, lsn0 = server.log.fsyncs, server.log.lsn
+        rest = [window.submit(group(0, i), tickets[i]) for i in range(1, 6)]
+        deadline = time.monotonic() + 20
+        while server.state.counters["ingested"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.state.counters["ingested"] == 6  # received and checked while the sync is held
+        assert server.log.lsn >= lsn0 + 5  # ... and appended
+        time.sleep(0.3)
+        assert not first.done() and not any(r.done() for r in rest)  # nothing acknowledged before its sync
+        held.clear()
+        gate.set()
+        assert [r.result(timeout=30).status for r in [first, *rest]] == ["stored"] * 6
+        assert server.log.fsyncs - fsyncs0 <= 2  # the held sync finished, then one more for the five
+    finally:
+        gate.set()
+        window.close()
+        client.close()
+        server.stop()
+    assert not acked_before_fsync
+    assert buffer(tmp_path / "b.wal", recover=True).state.buffered == 6
+
+
+@pytest.mark.parametrize("sync_thread", [True, False], ids=["sync-thread", "inline-fsync"])
+def test_a_failed_fsync_acknowledges_nothing_it_covered_and_the_next_one_does(tmp_path: Path, monkeypatch,
+                                                                                 sync_thread) -> None:
+    from asyncrl.replay import BufferRequestError
+
+    real_fsync, fail = wal_module._fsync, [False]
+
+    def fsync(fd):
+        if fail[0]:
+            fail[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(wal_module, "_fsync", fsync)
+    cfg = BufferConfig(max_staleness=1, capacity_groups=64, durable={"sync_thread": sync_thread})
+    server = ReplayBufferServer(cfg, batch_size=32, log_path=str(tmp_path / "b.wal"))
+    client = BufferClient(server.start(), secret=cfg.secret, reply_grace_s=5.0)
+    try:
+        tickets = [client.acquire_ticket(1.0) for _ in range(2)]
+        fail[0] = True
+        with pytest.raises(BufferRequestError, match="durable log commit failed"):
+            client.push(group(0, 0), tickets[0])
+        assert client.stats()["buffer/log_failures"] == 1
+        assert client.push(group(0, 0), tickets[0]).status == "duplicate"  # stored once; synced by a later sync
+        assert client.push(group(0, 1), tickets[1]).status == "stored"
+    finally:
+        client.close()
+        server.stop()
+    assert buffer(tmp_path / "b.wal", recover=True).state.prompt_indices() == [0, 1]

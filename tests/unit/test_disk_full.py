@@ -56,6 +56,43 @@ def test_enospc_is_recognised_through_chains_and_remote_texts() -> None:
     assert not is_disk_full(RuntimeError("is the rollout fleet alive?"))
 
 
+def test_the_replay_buffers_named_full_disk_conditions_are_recognised() -> None:
+    from asyncrl.replay.client import BufferDiskFull, BufferRequestError
+    from asyncrl.replay.wal import LogFull
+
+    quota = LogFull(Path("/run/state/buffer.wal"), 4096, OSError(errno.EDQUOT, "Disk quota exceeded"))
+    too_big = LogFull(Path("/run/state/buffer.wal"), 4096, OSError(errno.EFBIG, "File too large"))
+    assert is_disk_full(quota) and is_disk_full(too_big)  # EFBIG only as the log's named condition
+    assert is_disk_full(BufferDiskFull("disk_full", "durable log: disk full"))
+    assert is_disk_full(BufferRequestError("disk_full", "the push was not stored"))
+    assert not is_disk_full(BufferRequestError("out_of_range", "timeout_s=inf"))
+    assert not is_disk_full(OSError(errno.EFBIG, "File too large"))
+
+
+def test_the_buffers_unwritable_log_pauses_admission_with_a_line_and_ends_after_the_wait(tmp_path: Path) -> None:
+    """The run directory's free space check switched off (min_free_mb=0), the buffer's gauge on."""
+    log_full = [False]
+    admitting: list[bool] = []
+    lines: list[str] = []
+    watch = DiskWatch(tmp_path, min_free_mb=0, wait_s=0.3, set_admitting=admitting.append, echo=lines.append,
+                      buffer_log_full=lambda: log_full[0])
+    watch.check()
+    assert admitting == [] and lines == []
+    log_full[0] = True
+    watch.check()
+    watch.check()
+    assert admitting == [False] and len(lines) == 1
+    assert "admission paused (disk full)" in lines[0] and "buffer/disk_full" in lines[0]
+    log_full[0] = False
+    watch.check()
+    assert admitting == [False, True] and "admission resumed" in lines[-1] and not watch.paused
+    log_full[0] = True
+    watch.check()
+    time.sleep(0.4)
+    with pytest.raises(DiskFull, match="the replay buffer's durable log stayed full for 0s"):
+        watch.check()
+
+
 def test_low_space_pauses_admission_resumes_then_ends_after_the_wait(tmp_path: Path) -> None:
     free = [500 * MB]
     admitting: list[bool] = []

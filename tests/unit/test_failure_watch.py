@@ -1,7 +1,9 @@
 """Proves the job's own stop rules (asyncrl.failure_watch) on the counters the rollout actors report:
 one console line per distinct reward failure however often it repeats, a fatal reward report stops
 with the function's own error; a verifier outage (every call in a window failed) and its end are one
-line each; re-issued verifier-error groups are said once; N non-finite learner steps in a row stop
+line each, and an outage that lasts `verifier.outage_wait_s` stops the job with `VerifierOutage` naming
+the back-end, the time and the last error (a shorter one does not; 0 waits forever); re-issued
+verifier-error groups are said once; N non-finite learner steps in a row stop
 with a named divergence error naming the newest checkpoint written before the streak (a finite step
 in between resets the count); and `stop_named` exits 3 with an `error:` line and no checkpoint of
 diverged weights."""
@@ -18,6 +20,7 @@ from asyncrl.failure_watch import (
     FailureWatch,
     RewardFunctionFailed,
     TrainingDiverged,
+    VerifierOutage,
     nonfinite_step,
     stop_named,
 )
@@ -59,6 +62,56 @@ def test_verifier_outage_and_recovery_are_one_line_each() -> None:
     assert len(lines) == 2 and "verifier outage: all 10" in lines[1] and "upstream HTTP 502" in lines[1]
     watch.observe(v(50, 26, reissued=5))
     assert len(lines) == 3 and "answers again (9/10" in lines[2]
+
+
+def _verifier(calls: int, errors: int) -> dict:
+    return {"a": {"verifier": {"calls": calls, "errors": errors, "last_error": "upstream HTTP 502"}}}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_an_outage_longer_than_outage_wait_s_stops_the_job_naming_the_verifier() -> None:
+    lines: list[str] = []
+    clock = Clock()
+    watch = FailureWatch(fleet=None, echo=lines.append, outage_wait_s=60, verifier="the http verifier at http://v/v1",
+                         clock=clock)
+    watch.observe(_verifier(10, 10))  # the outage begins
+    assert watch.outage and "http://v/v1" in lines[0] and "verifier.outage_wait_s=60s" in lines[0]
+    calls = 10
+    for n in range(5):  # 50 s more: windows of failures, and windows where no call ended (still an outage)
+        clock.t += 10
+        calls += 10 if n % 2 == 0 else 0
+        watch.observe(_verifier(calls, calls))
+    assert len(lines) == 1 and watch.outage
+    clock.t += 10
+    with pytest.raises(VerifierOutage) as info:
+        watch.observe(_verifier(calls + 10, calls + 10))
+    msg = str(info.value)
+    assert "the http verifier at http://v/v1 failed every call for 60s" in msg and "upstream HTTP 502" in msg
+
+
+def test_a_shorter_outage_is_ridden_out_and_zero_waits_forever() -> None:
+    lines: list[str] = []
+    clock = Clock()
+    watch = FailureWatch(fleet=None, echo=lines.append, outage_wait_s=60, clock=clock)
+    watch.observe(_verifier(10, 10))
+    clock.t += 59
+    watch.observe(_verifier(20, 19))  # it answers again one second before the limit
+    assert not watch.outage and "after 59s of outage" in lines[1]
+    clock.t += 100
+    watch.observe(_verifier(30, 29))  # a later outage is timed from its own start
+    watch.observe(_verifier(40, 39))
+    forever = FailureWatch(fleet=None, echo=lines.append, outage_wait_s=0, clock=clock)
+    forever.observe(_verifier(10, 10))
+    clock.t += 10**6
+    forever.observe(_verifier(20, 20))
+    assert forever.outage
 
 
 def _metrics(norm: float, skipped: float = 1.0, loss: float = 0.1) -> dict:
