@@ -94,7 +94,7 @@ class RolloutWorker:
             import ray
             from transformers import AutoTokenizer
 
-            from asyncrl.actors.engine import PolicyEngine
+            from asyncrl.actors.engine import EngineSpec, PolicyEngine
             from asyncrl.actors.guided import PolicyChat
             from asyncrl.replay import BufferClient, PushWindow
             from asyncrl.rewards import load_reward
@@ -110,16 +110,13 @@ class RolloutWorker:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
-        vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         loop = asyncio.get_running_loop()
         # Serve's import and the handle's router in a thread while the engine core builds, started
         # after its fork (not awaited: a verifier still deploying is looked up at the first turn)
         prepare = (lambda: loop.run_in_executor(None, self.verifier.prepare)) if self.verifier is not None else None
-        self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
-                                   tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
-                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, small_machine=bool(cfg.cluster.small_machine),
-                                   beside_build=prepare, **vl_kw, **lora_engine_kwargs(cfg))
+        self.engine = PolicyEngine(EngineSpec.from_job(cfg, self.actor_id, vl=self.vl is not None),
+                                   beside_build=prepare)
         _record_children(self._pid_file())
         from asyncrl.reaper import procs_dir, record
 
@@ -514,17 +511,6 @@ async def _named_actor(name: str, namespace: str, timeout_s: float) -> Any:
 def _reseeded(cfg: Config, attempt: int) -> Config:
     """`cfg` with another rollout seed, so re-run conversations do not repeat the group's samples."""
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + 7919 * attempt})})
-
-
-def lora_engine_kwargs(cfg: Config) -> dict[str, Any]:
-    """The engine's LoRA arguments when versions travel as adapters (`weights.adapter.sync_kind`):
-    the adapter config, and room for every version a group in flight may still sample from
-    (`buffer.max_staleness + 2`). Merged and full sync need none."""
-    from asyncrl.weights.adapter import adapter_config, sync_kind
-
-    if sync_kind(cfg, warn=True) != "adapter":
-        return {}
-    return {"lora_adapter": adapter_config(cfg.model.lora, cfg.model.path), "lora_keep": cfg.buffer.max_staleness + 2}
 
 
 def _record_children(path: str) -> None:
