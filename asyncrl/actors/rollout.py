@@ -236,7 +236,7 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- one group
     async def _group(self, prompt: dict[str, Any], ticket: int) -> None:
-        from asyncrl.actors.group import build_group, run_guided_group
+        from asyncrl.actors.group import build_group
         from asyncrl.actors.guided import GroupDropped
         from asyncrl.rewards.guard import RewardCallError
 
@@ -251,46 +251,17 @@ class RolloutWorker:
                 except PromptTooLong:  # would fail on every re-issue: complete it and count it
                     log.warning("dropping prompt %s: too long with its images expanded", prompt.get("uid"))
                     self._stats["prompts_dropped_too_long"] += 1
-                    await self._zmq_call(self.buffer.release_ticket, ticket)
-                    await self.coordinator.complete.remote(prompt["index"])
-                    pushed = True  # nothing to abandon
+                    pushed = await self._complete_untrained(prompt, ticket)  # nothing to abandon
                     return
-
-            async def conversations(cfg: Config, n: int | None = None) -> list[Any]:
-                extra = {"vp": vp, "vl": self.vl} if vp is not None else {}
-                return await run_guided_group(cfg, prompt, self.engine, self.verifier, chat=self.chat, training=True,
-                                              n=n, **extra)
-
             try:
-                convs = await conversations(self.cfg)
-                self._count_conversations(convs)
-                # Conversations a verifier failure ended are the verifier's failure, never the policy's: run
-                # again (fresh seeds, same slots) up to VERIFIER_RERUNS times, then the group is re-issued.
-                for attempt in range(1, VERIFIER_RERUNS + 1):
-                    failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
-                    if not failed:
-                        break
-                    self._stats["conversations_rerun_verifier_error"] += len(failed)
-                    again = await conversations(_reseeded(self.cfg, attempt), n=len(failed))
-                    self._count_conversations(again)
-                    for i, conv in zip(failed, again):
-                        conv.uid = f"{prompt.get('uid', '')}/{i}"
-                        convs[i] = conv
+                convs = await self._conversations(prompt, vp)
             except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
                 self._stats["groups_dropped_verifier_error"] += 1
-                await self._zmq_call(self.buffer.release_ticket, ticket)
-                await self.coordinator.complete.remote(prompt["index"])
-                pushed = True  # nothing to abandon
+                pushed = await self._complete_untrained(prompt, ticket)  # nothing to abandon
                 return
             ended = sum(1 for c in convs if c.finish_reason == "verifier_error")
             if ended:  # still the verifier's failure after the re-runs: never trained as the policy's failure
-                self._stats["groups_reissued_verifier_error"] += 1
-                if self._stats["groups_reissued_verifier_error"] == 1:
-                    log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s) after %d "
-                             "re-run(s); the group is re-issued, not trained (later ones are counted: "
-                             "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
-                             next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
-                             VERIFIER_RERUNS)
+                self._note_reissued(prompt, convs, ended)
                 return  # finally: its ticket is released and the coordinator issues the prompt again
             group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,
@@ -317,6 +288,48 @@ class RolloutWorker:
                 except Exception:  # noqa: BLE001 - best effort; the buffer's ticket lease also expires
                     log.warning("could not release ticket %s", ticket)
                 await self.coordinator.abandon.remote(prompt["index"])
+
+    async def _conversations(self, prompt: dict[str, Any], vp: Any) -> list[Any]:
+        """The group's conversations. Those a verifier failure ended are the verifier's failure, never
+        the policy's: run again (fresh seeds, same slots) up to VERIFIER_RERUNS times; any still
+        ended so are the caller's to re-issue. `GroupDropped` (on_error=drop_group) passes through."""
+        from asyncrl.actors.group import run_guided_group
+
+        async def run(cfg: Config, n: int | None = None) -> list[Any]:
+            extra = {"vp": vp, "vl": self.vl} if vp is not None else {}
+            return await run_guided_group(cfg, prompt, self.engine, self.verifier, chat=self.chat, training=True,
+                                          n=n, **extra)
+
+        convs = await run(self.cfg)
+        self._count_conversations(convs)
+        for attempt in range(1, VERIFIER_RERUNS + 1):
+            failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
+            if not failed:
+                break
+            self._stats["conversations_rerun_verifier_error"] += len(failed)
+            again = await run(_reseeded(self.cfg, attempt), n=len(failed))
+            self._count_conversations(again)
+            for i, conv in zip(failed, again):
+                conv.uid = f"{prompt.get('uid', '')}/{i}"
+                convs[i] = conv
+        return convs
+
+    async def _complete_untrained(self, prompt: dict[str, Any], ticket: int) -> bool:
+        """A prompt done without a group (dropped on purpose): its ticket back, the coordinator told
+        it is complete (not re-issued). True: nothing left to abandon."""
+        await self._zmq_call(self.buffer.release_ticket, ticket)
+        await self.coordinator.complete.remote(prompt["index"])
+        return True
+
+    def _note_reissued(self, prompt: dict[str, Any], convs: list[Any], ended: int) -> None:
+        """Count a group re-issued for verifier errors; the first one is logged with its error."""
+        self._stats["groups_reissued_verifier_error"] += 1
+        if self._stats["groups_reissued_verifier_error"] == 1:
+            log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s) after %d "
+                     "re-run(s); the group is re-issued, not trained (later ones are counted: "
+                     "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
+                     next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
+                     VERIFIER_RERUNS)
 
     def _count_conversations(self, convs: list[Any]) -> None:
         self._stats["conversations_done"] += len(convs)
