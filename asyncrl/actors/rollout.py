@@ -396,7 +396,7 @@ class RolloutWorker:
         the guided protocol runs against the verifier service (asyncrl.actors.group.evaluate_rows)."""
         if self.vl is None and self.cfg.verifier.backend == "rule":
             from asyncrl.actors.group import make_generate
-            from asyncrl.eval import evaluate_async
+            from asyncrl.actors.guided.evaluation import evaluate_async
 
             generate = make_generate(self.cfg, self.engine, overrides=dict(self.cfg.rollout.val_override_config))
             modes = ["guided", "solver"] if mode == "both" else [mode]
@@ -420,11 +420,11 @@ class RolloutWorker:
     async def synthesize(self, items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         """Verifier SFT synthesis (asyncrl.verifier_training.synth): `n` training-mode conversations
         per stream item against the job's verifier service (the teacher), each as a plain record
-        with every verifier request and reply (`verifier_training.rows.conversation_record`).
+        with every verifier request and reply (`guided.conversation.conversation_record`).
         Nothing is scored or pushed; the coordinator and the buffer are not involved."""
         from asyncrl.actors.group import run_guided_group
         from asyncrl.actors.guided import GroupDropped
-        from asyncrl.verifier_training.rows import conversation_record
+        from asyncrl.actors.guided.conversation import conversation_record
 
         async def one(item: dict[str, Any]) -> list[dict[str, Any]]:
             try:
