@@ -96,7 +96,8 @@ class RolloutWorker:
 
             from asyncrl.actors.engine import EngineSpec, PolicyEngine
             from asyncrl.actors.guided import PolicyChat
-            from asyncrl.replay import BufferClient, PushWindow
+            from asyncrl.replay.client import BufferClient
+            from asyncrl.replay.window import PushWindow
             from asyncrl.rewards import load_reward
             from asyncrl.rewards.guard import RewardGuard
             from asyncrl.serve.client import VerifierClient
