@@ -89,7 +89,7 @@ def random_adapter(model_path: str, adapter_cfg: dict[str, Any], seed: int) -> l
 
 def build_engine(args: argparse.Namespace, spec: dict[str, Any]) -> Any:
     """The rollout actor's `PolicyEngine` for `args.config`, with this variant's LoRA settings."""
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import load_config
     from asyncrl.weights.adapter import adapter_config
 
@@ -98,8 +98,8 @@ def build_engine(args: argparse.Namespace, spec: dict[str, Any]) -> Any:
     if spec["lora"]:
         lora = cfg.model.lora.model_copy(update={"rank": spec["rank"]})
         lora_kw = {"lora_adapter": adapter_config(lora, cfg.model.path), "lora_keep": spec["keep"]}
-    engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=f"profile-{os.getpid()}",
-                          max_model_len=args.prompt_len + args.max_tokens + 8, seed=0, **lora_kw)
+    engine = PolicyEngine(EngineSpec(cfg.model.path, cfg.rollout, engine_id=f"profile-{os.getpid()}",
+                          max_model_len=args.prompt_len + args.max_tokens + 8, seed=0, **lora_kw))
     return engine, cfg
 
 

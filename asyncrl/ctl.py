@@ -7,7 +7,7 @@ Each command is queued on the job's coordinator; the driver executes it between 
 posts the result, which is printed here. Exit status: 0 done, 1 the job refused or failed it (the
 reason is printed), 2 bad usage or no running job.
 
-The job side: `execute` runs one queued command through the job's table of named handlers
+The job side (asyncrl.job.commands): `execute` runs one queued command through the job's table of named handlers
 (asyncrl.job.commands.handlers); a command it does not know, or one that raises, becomes an
 `{"ok": false, "error": ...}` result for the caller instead of an error in the job.
 """
@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +47,6 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("checkpoint", parents=[common], help="write a checkpoint now")
     sub.add_parser("stop", parents=[common], help="checkpoint and stop the job")
     return p
-
-
-def execute(handlers: Mapping[str, Callable[..., dict[str, Any]]], command: str,
-            args: dict[str, Any]) -> dict[str, Any]:
-    """The result of one ctl command on the job: its handler's answer, or an error result naming an
-    unknown command (and the known ones) or the exception the handler raised."""
-    handler = handlers.get(command)
-    if handler is None:
-        return {"ok": False, "error": f"unknown command {command!r}; this job knows: {', '.join(sorted(handlers))}"}
-    try:
-        return handler(**args)
-    except Exception as exc:  # noqa: BLE001 - report to the ctl caller instead of crashing the job
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def _find_run_dir(arg: str | None) -> Path:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.actors.lora import AdapterSlots
-from asyncrl.config import rollout_device_defaults
+from asyncrl.config import Config, RolloutConfig, rollout_device_defaults
 from asyncrl.engine_setup import apply_engine_env, engine_core_forked, engine_env
 from asyncrl.weights.local import LocalFeed
 from asyncrl.weights.receiver import announced_version
@@ -106,89 +106,132 @@ def _lora_engine_kwargs(adapter: dict[str, Any] | None, keep: int) -> dict[str, 
     return {"enable_lora": True, "max_lora_rank": int(adapter["r"]), "max_loras": keep, "max_cpu_loras": keep + 1}
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a `PolicyEngine` is built from, typed: the rollout section it reads and the
+    engine's own settings. A job's rollout actor builds it with `from_job` (the one place that maps
+    the job config onto the engine); tests and benches name only what they change."""
+
+    model_path: str
+    rollout: RolloutConfig  # reads the engine keys: dtype, lengths, KV cache, gpus_per_actor, weight path
+    engine_id: str | None = None
+    tokenizer_path: str | None = None
+    max_model_len: int | None = None  # None: `rollout.max_model_len`
+    seed: int = 0
+    weight_timeout_s: float = 60.0
+    weight_bucket_mb: float = 256.0
+    store_name: str = STORE_NAME
+    logprobs_mode: str = "processed_logprobs"
+    version: int = 0
+    # None: all buckets before loading on CPU (a failed round leaves the weights untouched); on GPUs
+    # bucket by bucket (no second copy of the model in GPU memory; a failed round is then followed
+    # by `load_weights_from_store`)
+    weight_buffered: bool | None = None
+    # a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
+    # (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and every
+    # weight load also resets vLLM's multimodal and encoder caches
+    vl: bool = False
+    limit_images: int = 0
+    # the `adapter_config.json` of a LoRA policy synced as adapters (`actors.lora.AdapterSlots`, at
+    # most `lora_keep` versions loaded); versions then arrive as adapters, not weights
+    lora_adapter: dict[str, Any] | None = None
+    lora_keep: int = 3
+    worker_extension: str = EXTENSION  # vLLM's `worker_extension_cls`: EXTENSION or a subclass (tests)
+    # `cluster.small_machine`: vLLM's imports without the cyclic GC and, on CPU, its engine-core
+    # process forked from this one instead of spawned (`engine_core_forked`; `rollout.engine_fork`
+    # can turn the fork off). Only for a process that does nothing but own the engine (the rollout
+    # actor): the child inherits every module's state of the parent, e.g. the weight groups of a
+    # test process that also ran the sender side (a native-path round then hung in the engine;
+    # reproduced in tests/integration/test_engine.py).
+    small_machine: bool = False
+
+    @classmethod
+    def from_job(cls, cfg: Config, engine_id: str, *, vl: bool = False) -> EngineSpec:
+        """A rollout actor's engine: the policy at `model.path` (version 0), the weight sync's
+        timeout and buckets, the small-machine switch, and the LoRA adapter slots when versions
+        travel as adapters (`weights.adapter.sync_kind`: room for every version a group in flight
+        may still sample from, `buffer.max_staleness + 2`; merged and full sync need none)."""
+        from asyncrl.weights.adapter import adapter_config, sync_kind
+
+        adapter = adapter_config(cfg.model.lora, cfg.model.path) if sync_kind(cfg, warn=True) == "adapter" else None
+        return cls(cfg.model.path, cfg.rollout, engine_id=engine_id, tokenizer_path=cfg.model.tokenizer_path,
+                   seed=cfg.rollout.seed, weight_timeout_s=cfg.learner.weights.timeout_s,
+                   weight_bucket_mb=cfg.learner.weights.bucket_mb, vl=vl,
+                   limit_images=cfg.rollout.limit_images if vl else 0,
+                   lora_adapter=adapter, lora_keep=cfg.buffer.max_staleness + 2,
+                   small_machine=bool(cfg.cluster.small_machine))
+
+
+def _engine_args(spec: EngineSpec, on_gpu: bool, tensor_parallel: int) -> dict[str, Any]:
+    """vLLM's `AsyncEngineArgs` of the spec on this device."""
+    cfg = spec.rollout
+    mm_kwargs: dict[str, Any] = {}
+    if spec.vl:
+        from asyncrl.vision import vllm_mm_engine_kwargs
+
+        mm_kwargs = vllm_mm_engine_kwargs(spec.limit_images)
+    eager, memory = rollout_device_defaults(cfg.gpus_per_actor)  # a bare RolloutConfig leaves them None
+    eager = eager if cfg.enforce_eager is None else cfg.enforce_eager
+    memory = memory if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
+    return dict(
+        model=spec.model_path, tokenizer=spec.tokenizer_path or spec.model_path, dtype=cfg.engine_dtype,
+        seed=spec.seed, enforce_eager=eager, enable_prefix_caching=cfg.enable_prefix_caching,
+        max_model_len=spec.max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=tensor_parallel,
+        gpu_memory_utilization=memory, worker_extension_cls=spec.worker_extension,
+        **({"weight_transfer_config": {"backend": NATIVE_BACKEND}} if cfg.weight_transfer == "native" else {}),
+        logprobs_mode=spec.logprobs_mode, disable_log_stats=True, **mm_kwargs,
+        **_lora_engine_kwargs(spec.lora_adapter, spec.lora_keep),
+        # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
+        # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
+        # token budget instead, and per-request seeds stay safe.
+        enable_chunked_prefill=on_gpu,
+        # CPU: `rollout.cpu_kvcache_gb`, fractions included; vLLM zero-fills all of it at start-up
+        # (CPU time in proportion to its size, on every engine start; the quick start needs ~0.1 GiB)
+        kv_cache_memory_bytes=None if on_gpu else int(cfg.cpu_kvcache_gb * 2**30),
+    )
+
+
 class PolicyEngine:
     """An async vLLM engine for the policy. Create inside a running process (Ray actor or a
     `__main__`-guarded script: vLLM starts its engine-core process, on CPU by fork when it can,
     `engine_core_forked`)."""
 
-    def __init__(self, model_path: str, cfg: Any, *, engine_id: str | None = None,
-                 max_model_len: int | None = None, seed: int = 0, tokenizer_path: str | None = None,
-                 weight_timeout_s: float = 60.0, weight_bucket_mb: float = 256.0,
-                 store_name: str = STORE_NAME, logprobs_mode: str = "processed_logprobs",
-                 version: int = 0, weight_buffered: bool | None = None, vl: bool = False,
-                 limit_images: int = 0, lora_adapter: dict[str, Any] | None = None, lora_keep: int = 3,
-                 worker_extension: str = EXTENSION, small_machine: bool = False,
-                 beside_build: Callable[[], None] | None = None) -> None:
-        """`vl`: a vision-language policy (Qwen-VL): vLLM gets the multimodal engine arguments
-        (`vision.vllm_mm_engine_kwargs(limit_images)`), `generate` accepts `multi_modal_data`, and
-        every weight load also resets vLLM's multimodal and encoder caches. `lora_adapter`: the
-        `adapter_config.json` of a LoRA policy synced as adapters (`actors.lora.AdapterSlots`, at
-        most `lora_keep` versions loaded); versions then arrive as adapters, not weights.
-        `worker_extension`: vLLM's `worker_extension_cls`, `EXTENSION` or a subclass of it (tests).
-        `small_machine` (`cluster.small_machine`): vLLM's imports without the cyclic GC and, on CPU,
-        its engine-core process forked from this one instead of spawned (`engine_core_forked`;
-        `rollout.engine_fork` can turn the fork off). Only for a process that does
-        nothing but own the engine (the rollout actor): the child inherits every module's state of
-        the parent, e.g. the weight groups of a test process that also ran the sender side (a
-        native-path round then hung in the engine; reproduced in tests/integration/test_engine.py).
-        `beside_build`: called once the engine-core process exists (`engine_core_forked`'s
-        `after_fork`), to start work that runs while the engine core builds (~3 s on CPU)."""
+    def __init__(self, spec: EngineSpec, *, beside_build: Callable[[], None] | None = None) -> None:
+        """`spec`: what to build (`EngineSpec`). `beside_build`: called once the engine-core process
+        exists (`engine_core_forked`'s `after_fork`), to start work that runs while the engine core
+        builds (~3 s on CPU)."""
         from asyncrl.small_machine.process import gc_paused
 
+        cfg = spec.rollout
         # vLLM's imports (here and in its engine config below) without the cyclic GC: ~20 % less CPU
-        with gc_paused(small_machine):
+        with gc_paused(spec.small_machine):
             import torch
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.spec = spec
+        self.engine_id = spec.engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.on_gpu = torch.cuda.is_available() and cfg.gpus_per_actor > 0
         self.tensor_parallel = max(1, cfg.gpus_per_actor) if self.on_gpu else 1
         if not self.on_gpu:  # the KV cache is sized in bytes below; this (whole GiB) would override it
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        self.version = version
-        # all buckets before loading (a failed round leaves the weights untouched) on CPU; on
-        # GPUs stream bucket by bucket (no second copy of the model in GPU memory), so a failed
-        # round there must be followed by `load_weights_from_store`.
-        self.weight_buffered = not self.on_gpu if weight_buffered is None else weight_buffered
-        self.weight_timeout_s = weight_timeout_s
-        self.weight_bucket_mb = weight_bucket_mb
-        self.weight_transfer = getattr(cfg, "weight_transfer", "extension")
+        self.version = spec.version
+        self.weight_buffered = not self.on_gpu if spec.weight_buffered is None else spec.weight_buffered
+        self.weight_timeout_s = spec.weight_timeout_s
+        self.weight_bucket_mb = spec.weight_bucket_mb
+        self.weight_transfer = cfg.weight_transfer
         self._native_senders: set[tuple[str, str]] = set()  # (address, prefix) the native engine knows
-        self.store_name = store_name
-        self.vl = vl
-        mm_kwargs: dict[str, Any] = {}
-        if vl:
-            from asyncrl.vision import vllm_mm_engine_kwargs
-
-            mm_kwargs = vllm_mm_engine_kwargs(limit_images)
-        eager, memory = rollout_device_defaults(cfg.gpus_per_actor)  # a bare RolloutConfig leaves them None
-        eager = eager if cfg.enforce_eager is None else cfg.enforce_eager
-        memory = memory if cfg.gpu_memory_utilization is None else cfg.gpu_memory_utilization
-        args = AsyncEngineArgs(
-            model=model_path, tokenizer=tokenizer_path or model_path, dtype=cfg.engine_dtype, seed=seed,
-            enforce_eager=eager, enable_prefix_caching=cfg.enable_prefix_caching,
-            max_model_len=max_model_len or cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel,
-            gpu_memory_utilization=memory, worker_extension_cls=worker_extension,
-            **({"weight_transfer_config": {"backend": NATIVE_BACKEND}} if self.weight_transfer == "native" else {}),
-            logprobs_mode=logprobs_mode, disable_log_stats=True, **mm_kwargs,
-            **_lora_engine_kwargs(lora_adapter, lora_keep),
-            # vLLM's CPU build cannot rewind a seeded request's generator after a partial (chunked)
-            # prefill ("CPU Generator does not use offset"); without chunking a prefill waits for
-            # token budget instead, and per-request seeds stay safe.
-            enable_chunked_prefill=self.on_gpu,
-            # CPU: `rollout.cpu_kvcache_gb`, fractions included; vLLM zero-fills all of it at start-up
-            # (CPU time in proportion to its size, on every engine start; the quick start needs ~0.1 GiB)
-            kv_cache_memory_bytes=None if self.on_gpu else int(cfg.cpu_kvcache_gb * 2**30),
-        )
+        self.store_name = spec.store_name
+        self.vl = spec.vl
+        args = AsyncEngineArgs(**_engine_args(spec, self.on_gpu, self.tensor_parallel))
         # read by vLLM when it builds the engine config and the engine-core process (inherited)
         env = engine_env(cfg.gpus_per_actor if self.on_gpu else 0, cfg.engine_in_process)
         apply_engine_env(env)
         in_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # CPU, model worker in the engine core
-        with gc_paused(small_machine):  # left before the engine core is forked: the child would inherit it off
+        with gc_paused(spec.small_machine):  # left before the engine core is forked: the child would inherit it off
             vllm_config = args.create_engine_config()  # (vLLM's CPU platform asks for spawn here)
-        fork = small_machine and in_process and getattr(cfg, "engine_fork", None) is not False
+        fork = spec.small_machine and in_process and cfg.engine_fork is not False
         with engine_core_forked(fork, after_fork=beside_build) as forked:
             self.llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
         self.engine_core_start = "forked" if forked else "spawned"  # reported in the actor's start line
@@ -198,8 +241,8 @@ class PolicyEngine:
         self.unsafe = False  # paused on weights that failed to load and could not be replaced
         self.adapters: AdapterSlots | None = None  # LoRA versions as adapters (model.lora, adapter sync)
         self._adapter_receivers: dict[tuple[str, str], Any] = {}
-        if lora_adapter is not None:
-            self.adapters = AdapterSlots(self.llm, self.engine_id, lora_adapter, lora_keep)
+        if spec.lora_adapter is not None:
+            self.adapters = AdapterSlots(self.llm, self.engine_id, spec.lora_adapter, spec.lora_keep)
         self._catch_up_task: asyncio.Future | None = None  # retries the store while unsafe
 
     # ---- generation -------------------------------------------------------------------------

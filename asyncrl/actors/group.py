@@ -236,7 +236,7 @@ async def evaluate_rows(cfg: Config, rows: list[dict[str, Any]], engine: Any, ve
 
 def eval_summary(mode: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's numbers in the layout of `asyncrl.eval.summarize` (mergeable by `n`)."""
-    from asyncrl.eval import accuracy_se
+    from asyncrl.actors.guided.evaluation import accuracy_se
 
     n = len(results)
     mean = (lambda xs: sum(xs) / max(n, 1))  # noqa: E731

@@ -93,9 +93,10 @@ class RolloutWorker:
             import ray
             from transformers import AutoTokenizer
 
-            from asyncrl.actors.engine import PolicyEngine
+            from asyncrl.actors.engine import EngineSpec, PolicyEngine
             from asyncrl.actors.guided import PolicyChat
-            from asyncrl.replay import BufferClient, PushWindow
+            from asyncrl.replay.client import BufferClient
+            from asyncrl.replay.window import PushWindow
             from asyncrl.rewards import load_reward
             from asyncrl.rewards.guard import RewardGuard
             from asyncrl.serve.client import VerifierClient
@@ -109,16 +110,13 @@ class RolloutWorker:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.chat = PolicyChat(self.tokenizer)
         self.vl = self._vl_context()
-        vl_kw = {"vl": True, "limit_images": cfg.rollout.limit_images} if self.vl is not None else {}
         self.verifier = VerifierClient(cfg.verifier, app_name="verifier") if cfg.rollout.guide.enable else None
         loop = asyncio.get_running_loop()
         # Serve's import and the handle's router in a thread while the engine core builds, started
         # after its fork (not awaited: a verifier still deploying is looked up at the first turn)
         prepare = (lambda: loop.run_in_executor(None, self.verifier.prepare)) if self.verifier is not None else None
-        self.engine = PolicyEngine(cfg.model.path, cfg.rollout, engine_id=self.actor_id, seed=cfg.rollout.seed,
-                                   tokenizer_path=cfg.model.tokenizer_path, weight_timeout_s=cfg.learner.weights.timeout_s,
-                                   weight_bucket_mb=cfg.learner.weights.bucket_mb, small_machine=bool(cfg.cluster.small_machine),
-                                   beside_build=prepare, **vl_kw, **lora_engine_kwargs(cfg))
+        self.engine = PolicyEngine(EngineSpec.from_job(cfg, self.actor_id, vl=self.vl is not None),
+                                   beside_build=prepare)
         _record_children(self._pid_file())
         from asyncrl.reaper import procs_dir, record
 
@@ -238,7 +236,7 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- one group
     async def _group(self, prompt: dict[str, Any], ticket: int) -> None:
-        from asyncrl.actors.group import build_group, run_guided_group
+        from asyncrl.actors.group import build_group
         from asyncrl.actors.guided import GroupDropped
         from asyncrl.rewards.guard import RewardCallError
 
@@ -253,46 +251,17 @@ class RolloutWorker:
                 except PromptTooLong:  # would fail on every re-issue: complete it and count it
                     log.warning("dropping prompt %s: too long with its images expanded", prompt.get("uid"))
                     self._stats["prompts_dropped_too_long"] += 1
-                    await self._zmq_call(self.buffer.release_ticket, ticket)
-                    await self.coordinator.complete.remote(prompt["index"])
-                    pushed = True  # nothing to abandon
+                    pushed = await self._complete_untrained(prompt, ticket)  # nothing to abandon
                     return
-
-            async def conversations(cfg: Config, n: int | None = None) -> list[Any]:
-                extra = {"vp": vp, "vl": self.vl} if vp is not None else {}
-                return await run_guided_group(cfg, prompt, self.engine, self.verifier, chat=self.chat, training=True,
-                                              n=n, **extra)
-
             try:
-                convs = await conversations(self.cfg)
-                self._count_conversations(convs)
-                # Conversations a verifier failure ended are the verifier's failure, never the policy's: run
-                # again (fresh seeds, same slots) up to verifier.error_reruns times, then the group is re-issued.
-                for attempt in range(1, self.cfg.verifier.error_reruns + 1):
-                    failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
-                    if not failed:
-                        break
-                    self._stats["conversations_rerun_verifier_error"] += len(failed)
-                    again = await conversations(_reseeded(self.cfg, attempt), n=len(failed))
-                    self._count_conversations(again)
-                    for i, conv in zip(failed, again):
-                        conv.uid = f"{prompt.get('uid', '')}/{i}"
-                        convs[i] = conv
+                convs = await self._conversations(prompt, vp)
             except GroupDropped:  # on_error=drop_group: deliberately discarded, counted, prompt done
                 self._stats["groups_dropped_verifier_error"] += 1
-                await self._zmq_call(self.buffer.release_ticket, ticket)
-                await self.coordinator.complete.remote(prompt["index"])
-                pushed = True  # nothing to abandon
+                pushed = await self._complete_untrained(prompt, ticket)  # nothing to abandon
                 return
             ended = sum(1 for c in convs if c.finish_reason == "verifier_error")
             if ended:  # still the verifier's failure after the re-runs: never trained as the policy's failure
-                self._stats["groups_reissued_verifier_error"] += 1
-                if self._stats["groups_reissued_verifier_error"] == 1:
-                    log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s) after %d "
-                             "re-run(s); the group is re-issued, not trained (later ones are counted: "
-                             "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
-                             next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
-                             self.cfg.verifier.error_reruns)
+                self._note_reissued(prompt, convs, ended)
                 return  # finally: its ticket is released and the coordinator issues the prompt again
             group = await build_group(self.cfg, prompt, convs, self.reward_fn, self.tokenizer,
                                          actor_id=self.actor_id, verifier=self.verifier,
@@ -319,6 +288,48 @@ class RolloutWorker:
                 except Exception:  # noqa: BLE001 - best effort; the buffer's ticket lease also expires
                     log.warning("could not release ticket %s", ticket)
                 await self.coordinator.abandon.remote(prompt["index"])
+
+    async def _conversations(self, prompt: dict[str, Any], vp: Any) -> list[Any]:
+        """The group's conversations. Those a verifier failure ended are the verifier's failure, never
+        the policy's: run again (fresh seeds, same slots) up to verifier.error_reruns times; any still
+        ended so are the caller's to re-issue. `GroupDropped` (on_error=drop_group) passes through."""
+        from asyncrl.actors.group import run_guided_group
+
+        async def run(cfg: Config, n: int | None = None) -> list[Any]:
+            extra = {"vp": vp, "vl": self.vl} if vp is not None else {}
+            return await run_guided_group(cfg, prompt, self.engine, self.verifier, chat=self.chat, training=True,
+                                          n=n, **extra)
+
+        convs = await run(self.cfg)
+        self._count_conversations(convs)
+        for attempt in range(1, self.cfg.verifier.error_reruns + 1):
+            failed = [i for i, c in enumerate(convs) if c.finish_reason == "verifier_error"]
+            if not failed:
+                break
+            self._stats["conversations_rerun_verifier_error"] += len(failed)
+            again = await run(_reseeded(self.cfg, attempt), n=len(failed))
+            self._count_conversations(again)
+            for i, conv in zip(failed, again):
+                conv.uid = f"{prompt.get('uid', '')}/{i}"
+                convs[i] = conv
+        return convs
+
+    async def _complete_untrained(self, prompt: dict[str, Any], ticket: int) -> bool:
+        """A prompt done without a group (dropped on purpose): its ticket back, the coordinator told
+        it is complete (not re-issued). True: nothing left to abandon."""
+        await self._zmq_call(self.buffer.release_ticket, ticket)
+        await self.coordinator.complete.remote(prompt["index"])
+        return True
+
+    def _note_reissued(self, prompt: dict[str, Any], convs: list[Any], ended: int) -> None:
+        """Count a group re-issued for verifier errors; the first one is logged with its error."""
+        self._stats["groups_reissued_verifier_error"] += 1
+        if self._stats["groups_reissued_verifier_error"] == 1:
+            log.info("group for prompt %s: %d conversation(s) ended by a verifier error (%s) after %d "
+                     "re-run(s); the group is re-issued, not trained (later ones are counted: "
+                     "rollout/groups_reissued_verifier_error)", prompt.get("uid"), ended,
+                     next(c.turns[-1].verifier_error for c in convs if c.finish_reason == "verifier_error"),
+                     self.cfg.verifier.error_reruns)
 
     def _count_conversations(self, convs: list[Any]) -> None:
         self._stats["conversations_done"] += len(convs)
@@ -385,7 +396,7 @@ class RolloutWorker:
         the guided protocol runs against the verifier service (asyncrl.actors.group.evaluate_rows)."""
         if self.vl is None and self.cfg.verifier.backend == "rule":
             from asyncrl.actors.group import make_generate
-            from asyncrl.eval import evaluate_async
+            from asyncrl.actors.guided.evaluation import evaluate_async
 
             generate = make_generate(self.cfg, self.engine, overrides=dict(self.cfg.rollout.val_override_config))
             modes = ["guided", "solver"] if mode == "both" else [mode]
@@ -409,11 +420,11 @@ class RolloutWorker:
     async def synthesize(self, items: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         """Verifier SFT synthesis (asyncrl.verifier_training.synth): `n` training-mode conversations
         per stream item against the job's verifier service (the teacher), each as a plain record
-        with every verifier request and reply (`verifier_training.rows.conversation_record`).
+        with every verifier request and reply (`guided.conversation.conversation_record`).
         Nothing is scored or pushed; the coordinator and the buffer are not involved."""
         from asyncrl.actors.group import run_guided_group
         from asyncrl.actors.guided import GroupDropped
-        from asyncrl.verifier_training.rows import conversation_record
+        from asyncrl.actors.guided.conversation import conversation_record
 
         async def one(item: dict[str, Any]) -> list[dict[str, Any]]:
             try:
@@ -513,17 +524,6 @@ async def _named_actor(name: str, namespace: str, timeout_s: float) -> Any:
 def _reseeded(cfg: Config, attempt: int) -> Config:
     """`cfg` with another rollout seed, so re-run conversations do not repeat the group's samples."""
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"seed": cfg.rollout.seed + 7919 * attempt})})
-
-
-def lora_engine_kwargs(cfg: Config) -> dict[str, Any]:
-    """The engine's LoRA arguments when versions travel as adapters (`weights.adapter.sync_kind`):
-    the adapter config, and room for every version a group in flight may still sample from
-    (`buffer.max_staleness + 2`). Merged and full sync need none."""
-    from asyncrl.weights.adapter import adapter_config, sync_kind
-
-    if sync_kind(cfg, warn=True) != "adapter":
-        return {}
-    return {"lora_adapter": adapter_config(cfg.model.lora, cfg.model.path), "lora_keep": cfg.buffer.max_staleness + 2}
 
 
 def _record_children(path: str) -> None:

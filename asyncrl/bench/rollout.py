@@ -202,7 +202,7 @@ def _make_llm(cfg: Config) -> Any:
 async def _main(cfg: Config, rounds: int, groups: int, concurrency: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.actors.guided import PolicyChat
     from asyncrl.data import PromptStream, load_rows
     from asyncrl.replay import BufferClient, ReplayBufferServer
@@ -215,8 +215,8 @@ async def _main(cfg: Config, rounds: int, groups: int, concurrency: int) -> dict
     llm = _make_llm(cfg)
     bare_start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    policy = PolicyEngine(cfg.model.path, cfg.rollout, engine_id="bench-actor", seed=cfg.rollout.seed,
-                          tokenizer_path=cfg.model.tokenizer_path)
+    policy = PolicyEngine(EngineSpec(cfg.model.path, cfg.rollout, engine_id="bench-actor", seed=cfg.rollout.seed,
+                          tokenizer_path=cfg.model.tokenizer_path))
     actor_start_s = time.perf_counter() - t0
     engine = RecordingEngine(policy)
     server = ReplayBufferServer(cfg.buffer, batch_size=max(1, cfg.data.rollout_batch_size))

@@ -76,7 +76,7 @@ def _state(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 async def _one_path(model_dir: str, cfg: Any, path: str, rounds: int, bucket_mb: float) -> dict[str, Any]:
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.weights.sender import WeightSender
 
     loaded = _state(model_dir)
@@ -89,8 +89,8 @@ async def _one_path(model_dir: str, cfg: Any, path: str, rounds: int, bucket_mb:
     del loaded
     nbytes = flat.numel()
     rcfg = cfg.rollout.model_copy(update={"weight_transfer": path})
-    engine = PolicyEngine(model_dir, rcfg, engine_id=f"floor-{path}", max_model_len=256, weight_timeout_s=120,
-                          worker_extension=FLOOR_EXTENSION)
+    engine = PolicyEngine(EngineSpec(model_dir, rcfg, engine_id=f"floor-{path}", max_model_len=256, weight_timeout_s=120,
+                          worker_extension=FLOOR_EXTENSION))
     wcfg = type("W", (), {"bucket_mb": bucket_mb, "gloo_bucket_mb": bucket_mb, "backend": "gloo",
                           "timeout_s": 120.0, "host": "127.0.0.1"})()
     # every version copied for the WeightStore, as in a job (publish_every=1); the Ray put itself runs

@@ -155,7 +155,8 @@ class Doctor:
 
     # ------------------------------------------------------------------ checks
     def connect(self) -> bool:
-        from asyncrl.job.runtime import StartupError, ray_init
+        from asyncrl.cluster import ray_init
+        from asyncrl.startup import StartupError
 
         t0 = time.time()
         where = self.cfg.cluster.ray_address or "embedded single-host cluster"

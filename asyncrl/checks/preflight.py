@@ -11,20 +11,8 @@ the model type; a model verifier's context; `env:` secrets and CurveZMQ key file
 prompt/answer columns; fixed listener ports and `trainer.resume`; the rule verifier's task; an HTTP
 verifier's server accepting connections; weight files whole (plus whatever else is registered, e.g. the memory guard).
 
-The policy's context follows vLLM 0.32's own derivation (`vllm.config.model._get_and_verify_max_len`
-with `ModelArchConfigConvertor.derive_max_model_len_and_key`), on the text part of the config
-(`text_config` of a vision-language model, as `get_hf_text_config`):
-- the smallest of `max_position_embeddings`, `n_positions`, `max_seq_len`, `seq_length`,
-  `model_max_length`, `max_target_positions`, `max_sequence_length`, `max_seq_length`, `seq_len`,
-  except that a `model_max_length` of the text config wins outright (Command-R);
-- not capped by the tokenizer's `model_max_length` (vLLM reads it only for pooling models with
-  absolute positions, `ModelConfig.get_and_verify_max_len`);
-- times the RoPE `factor` unless the rope type is su/longrope/llama3/yarn/deepseek_yarn/
-  deepseek_llama_scaling (their `max_position_embeddings` is already scaled) or the model is gemma3;
-- a sliding window does not cap it (vLLM does so only with `disable_sliding_window`, never set here);
-- a configured `max_model_len` above it is refused unless the config's `model_max_length` allows
-  it or `VLLM_ALLOW_LONG_MAX_MODEL_LEN` is set. With none of the keys vLLM assumes 2048; here the
-  config is then read through transformers' `AutoConfig`, whose class defaults vLLM sees too.
+The policy's context is derived as vLLM derives it (`asyncrl.checks.models`, whose docstring
+says how); what the memory and disk rows estimate is in `asyncrl.checks.fit`.
 
 What a job asks of that context (asyncrl.actors.guided.conversation, asyncrl.actors.guided.training):
 the prompt budget `data.max_prompt_length` (P) is enforced before every policy turn by dropping old
@@ -48,135 +36,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.checks.fit import checkpoint_estimate, disk_fit, memory_fit, memory_rows  # noqa: F401 - re-exported
+from asyncrl.checks.models import (  # noqa: F401 - re-exported: callers read a model through the preflight
+    VL_MODEL_TYPES,
+    Context,
+    ModelFiles,
+    max_model_len_error,
+    model_context,
+    read_model,
+)
+from asyncrl.checks.rows import Row
 from asyncrl.config import Config
 
-# vLLM 0.32, ModelArchConfigConvertor.derive_max_model_len_and_key: candidates, the smallest wins.
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
-# vLLM 0.32, _get_and_verify_max_len: rope types whose max_position_embeddings is already scaled.
-PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
-# transformers' get_text_config: where a composite config keeps its text model.
-TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 KV_CACHE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass
-class Row:
-    """One line of the preflight: a ✔ or a ✘ with what to change."""
-
-    check: str
-    ok: bool
-    result: str
-    fix: str = ""
-    notice: bool = False  # a ✔ the launcher says aloud (something was derived differently)
-
-
-@dataclass
-class Context:
-    """A model's context length as vLLM derives it, and where the number comes from."""
-
-    tokens: int
-    source: str  # e.g. "max_position_embeddings=1024 in assets/tiny-policy/config.json"
-    allows: int = 0  # a configured max_model_len up to this passes vLLM's check (model_max_length / env)
-
-
-@dataclass
-class ModelFiles:
-    """What the checks read of one model directory: its config and its tokenizer's files."""
-
-    key: str  # the config key naming it: model.path or verifier.model_path
-    path: Path
-    tokenizer_path: Path
-    config: dict[str, Any]
-    tokenizer_config: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def text(self) -> dict[str, Any]:
-        """The text model's part of the config (vLLM's `hf_text_config`)."""
-        found = [self.config[n] for n in TEXT_CONFIG_NAMES if isinstance(self.config.get(n), dict)]
-        return found[0] if len(found) == 1 else self.config
-
-    @property
-    def is_vl(self) -> bool:
-        return self.config.get("model_type", "") in VL_MODEL_TYPES
-
-    def has_chat_template(self) -> bool:
-        """Where transformers looks: tokenizer_config.json's `chat_template`, chat_template.jinja,
-        chat_template.json (processors), additional_chat_templates/."""
-        t = self.tokenizer_path
-        return bool(self.tokenizer_config.get("chat_template")) or (t / "chat_template.jinja").is_file() or \
-            (t / "chat_template.json").is_file() or any((t / "additional_chat_templates").glob("*.jinja"))
-
-
-def read_model(key: str, path: str, tokenizer_path: str | None) -> ModelFiles:
-    """The config of a local model directory (already resolved); ValueError naming `key` if unreadable."""
-    directory = Path(path)
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{key}={path}: no readable config.json ({type(exc).__name__}: {exc})") from None
-    tok = Path(tokenizer_path or path)
-    try:
-        tok_cfg = json.loads((tok / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        tok_cfg = {}
-    return ModelFiles(key, directory, tok, config, tok_cfg)
-
-
-def model_context(model: ModelFiles) -> Context:
-    """The model's context length, derived as vLLM 0.32 derives it (see the module docstring)."""
-    text = model.text
-    where = f"in {model.path}/config.json"
-    tokens, key = float("inf"), None
-    for name in CONTEXT_KEYS:
-        value = text.get(name)
-        if isinstance(value, (int, float)) and value < tokens:
-            tokens, key = value, name
-    if isinstance(text.get("model_max_length"), (int, float)) and text["model_max_length"]:
-        tokens, key = text["model_max_length"], "model_max_length"
-    if key is None:  # class defaults fill the keys: read them the way vLLM does
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(str(model.path)).get_text_config()
-        text = {**hf.to_dict(), **text}
-        return model_context(ModelFiles(model.key, model.path, model.tokenizer_path,
-                                        {**model.config, "text_config": text}, model.tokenizer_config))
-    source = f"{key}={tokens:g} {where}"
-    factor = rope_factor(text, model.config.get("model_type", ""))
-    if factor != 1.0:
-        tokens, source = tokens * factor, f"{source} x RoPE factor {factor:g}"
-    allows = int(text.get("model_max_length") or 0)
-    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() in ("1", "true"):
-        allows = 1 << 40
-    return Context(int(tokens), source, allows)
-
-
-def rope_factor(text: dict[str, Any], model_type: str) -> float:
-    """vLLM's scaling of the derived length: the last `factor` of the rope parameters whose type
-    is not pre-scaled (transformers' `rope_parameters`, or a legacy `rope_scaling`)."""
-    params = text.get("rope_parameters") or text.get("rope_scaling")
-    if not isinstance(params, dict) or not params or "gemma3" in model_type:
-        return 1.0
-    nested = all(isinstance(v, dict) for v in params.values())
-    factor = 1.0
-    for p in (params.values() if nested else [params]):
-        rope_type = p.get("rope_type", p.get("type", "default"))
-        if rope_type not in PRESCALED_ROPE:
-            factor = p.get("factor", factor)
-    return 1.0 if factor is None else float(factor)
-
-
-def max_model_len_error(model: ModelFiles, ctx: Context, key: str, value: int) -> str | None:
-    """vLLM's refusal of a configured max_model_len, phrased for the config key, or None."""
-    if value <= ctx.tokens or (ctx.allows and value <= ctx.allows):
-        return None
-    return (f"{key}={value} exceeds the context of {model.key}={model.path}: {ctx.tokens} tokens "
-            f"({ctx.source})")
 
 
 # ------------------------------------------------------------------------------------- registry
@@ -508,95 +383,8 @@ def check_ports_and_resume(cfg: Config, models: dict[str, ModelFiles]) -> list[R
     return rows
 
 
-@register_check
-def memory_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
-    """A CPU job on this machine (the embedded cluster) fits its memory: learner ranks, rollout
-    engines and the WeightStore's two copies (current + next), estimated by `asyncrl.learner.memory` against 90% of the
-    machine (Ray's memory monitor kills workers at 95%). A GPU job's per-GPU fit is estimated by
-    scripts/gpu_check.py (S3); a joined cluster's nodes are not this machine."""
-    if cfg.cluster.ray_address or cfg.learner.num_gpus > 0 or cfg.rollout.gpus_per_actor > 0:
-        return []
-    import psutil
-
-    return memory_rows(cfg, models["policy"], psutil.virtual_memory().total)
-
-
-def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row]:
-    from asyncrl.learner import memory as mem
-
-    shape = mem.shape_from_config(policy.text, cfg.model.path)
-    samples = cfg.data.rollout_batch_size * cfg.rollout.n
-    tokens = min(cfg.learner.micro_batch_tokens, samples * (cfg.data.max_prompt_length + cfg.data.max_response_length))
-    adapter = mem.lora_params(policy.text, cfg.model.lora.rank, cfg.model.lora.target_modules) \
-        if cfg.model.lora.enable else None
-    rank = mem.rank_bytes(shape, ranks=cfg.learner_world_size, zero_stage=cfg.learner.zero_stage,
-                          bf16=cfg.learner_precision == "bf16", micro_batch_tokens=tokens,
-                          logit_tokens=min(tokens, samples * (cfg.data.max_response_length + 1)),
-                          reference=cfg.learner.kl.enable, gpu=False, adapter_params=adapter)
-    from asyncrl.weights.adapter import sync_kind
-    from asyncrl.weights.store import shm_bytes_needed
-
-    trainable = float(adapter) if adapter is not None else shape.params
-    synced = trainable if adapter is not None and sync_kind(cfg) == "adapter" else shape.params
-    churn = rank["parameters"] + rank["gradients"] + rank["optimizer (fp32 master + Adam moments)"]
-    rank.update(mem.cpu_learner_extras(shape, trainable=trainable, churn_bytes=churn))
-    sync_copy = (2 if cfg.learner_precision == "bf16" else 4) * synced  # the sender's HostArena, rank 0
-    engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB), cfg.rollout.max_num_batched_tokens)
-    parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
-             "learner's weight-sync host copy (rank 0)": int(sync_copy),
-             f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,
-             # the store holds the current version while the next one is put (object store): at 20 of
-             # Qwen2.5-0.5B's layers, accepted with one copy counted, Ray's monitor killed an actor
-             "weight store copy x2 (current + next)": shm_bytes_needed(int(sync_copy)),
-             "driver and services": mem.CPU_RUNTIME_BYTES}
-    budget = int(0.9 * machine_bytes)
-    total = sum(parts.values())
-    detail = (f"{mem.describe(parts, budget)}; one learner rank: "
-              f"{mem.describe(rank, budget).split('(', 1)[1].rstrip(')')}")
-    if total <= budget:
-        return [Row("memory", True, f"{shape.params / 1e9:.2f}B parameters: {detail}")]
-    return [Row("memory", False, f"{shape.params / 1e9:.2f}B parameters do not fit this machine: {detail}",
-                "a smaller model, learner.zero_stage=0 (no DeepSpeed fp32 partition copies), learner.kl.enable="
-                "false (no reference replica), fewer rollout.num_actors, or a machine with more memory")]
-
-
-
-def checkpoint_estimate(cfg: Config, policy: ModelFiles) -> int:
-    """Bytes of one job checkpoint of this policy (`asyncrl.learner.memory.checkpoint_bytes`)."""
-    from asyncrl.learner import memory as mem
-
-    shape = mem.shape_from_config(policy.text, cfg.model.path)
-    adapter = mem.lora_params(policy.text, cfg.model.lora.rank, cfg.model.lora.target_modules) \
-        if cfg.model.lora.enable else None
-    return mem.checkpoint_bytes(shape.params, float(adapter) if adapter is not None else shape.params,
-                                bf16=cfg.learner_precision == "bf16")
-
-
-@register_check
-def disk_fit(cfg: Config, models: dict[str, ModelFiles]) -> list[Row]:
-    """The run directory's filesystem holds the checkpoints this run keeps (the periodic ones, up
-    to `trainer.save_limit`, and the final one): refused when not even one fits (the job would
-    fail at its first checkpoint), said aloud when only some do. The driver's filesystem: in the
-    embedded mode the learner writes there; on a joined cluster learner rank 0 writes the same
-    `trainer.run_dir`, which must then be shared storage."""
-    from asyncrl.learner.checkpoint import free_bytes
-
-    try:
-        one = checkpoint_estimate(cfg, models["policy"])
-    except (KeyError, TypeError, ValueError):  # a config.json without a decoder's dimensions: no estimate
-        return []
-    t = cfg.trainer
-    writes = 1 + (t.max_steps // t.save_every if t.max_steps and t.save_every > 0 else 0)
-    kept = min(writes, t.save_limit) if t.save_limit > 0 else writes
-    free = free_bytes(cfg.run_path)
-    where = f"trainer.run_dir: {cfg.run_path} has {free / 1e9:.2f} GB free; one checkpoint takes ~{one / 1e9:.2f} GB"
-    fix = "free space there, point trainer.run_dir elsewhere, or lower trainer.save_limit"
-    if free < one:
-        return [Row("disk", False, f"{where}: not even one fits", fix)]
-    if free < one * kept:
-        return [Row("disk", True, f"{where}: {int(free // one)} of the {kept} this run keeps fit "
-                    "(a checkpoint that does not fit is skipped, said aloud)")]
-    return [Row("disk", True, f"{where} ({kept} kept)")]
+register_check(memory_fit)  # asyncrl.checks.fit: in this order, after the ports and before the verifiers
+register_check(disk_fit)
 
 
 @register_check

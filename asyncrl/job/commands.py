@@ -11,17 +11,54 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncrl.config import VerifierConfig
+from asyncrl.config import Config, VerifierConfig
 from asyncrl.startup import say
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
+    from pathlib import Path
 
-Loop = Any
-"""The running `asyncrl.job.loop.Trainer`, by duck type: the trainer imports this module, so this
-module does not import it back (not even for types; tests/unit/test_import_cycles.py)."""
+
+class _Fleet(Protocol):
+    def scale(self, n: int, timeout: float) -> dict[str, Any]: ...
+
+
+class _Services(Protocol):
+    coordinator: Any  # the job coordinator's Ray actor handle (take_commands, post_result)
+
+
+class Loop(Protocol):
+    """What the commands read and write of the running loop (`asyncrl.job.loop.Trainer` is one). A
+    protocol, not the class: the trainer imports this module, so this module does not import it back
+    (not even for types; tests/unit/test_import_cycles.py)."""
+
+    cfg: Config  # replaced by a verifier swap that held
+    topo: _Services
+    fleet: _Fleet
+    stop_requested_by_ctl: bool
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def checkpoint(self) -> Path: ...
+
+
+def execute(handlers: Mapping[str, Callable[..., dict[str, Any]]], command: str,
+            args: dict[str, Any]) -> dict[str, Any]:
+    """The result of one ctl command on the job: its handler's answer, or an error result naming an
+    unknown command (and the known ones) or the exception the handler raised."""
+    handler = handlers.get(command)
+    if handler is None:
+        return {"ok": False, "error": f"unknown command {command!r}; this job knows: {', '.join(sorted(handlers))}"}
+    try:
+        return handler(**args)
+    except Exception as exc:  # noqa: BLE001 - report to the ctl caller instead of crashing the job
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def handlers(trainer: Loop) -> dict[str, Callable[..., dict[str, Any]]]:
@@ -34,8 +71,6 @@ def handlers(trainer: Loop) -> dict[str, Callable[..., dict[str, Any]]]:
 def run_queued(trainer: Loop) -> None:
     """Execute the commands queued on the coordinator since the last step; post each result."""
     import ray
-
-    from asyncrl.ctl import execute
 
     coordinator = trainer.topo.coordinator
     for cmd in ray.get(coordinator.take_commands.remote()):

@@ -15,7 +15,6 @@ at once. A component that dies during training: one line naming it, a checkpoint
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -27,8 +26,9 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.cluster import embedded_ray_options, ray_init  # noqa: F401 - re-exported: the job starts Ray this way
 from asyncrl.config import Config
-from asyncrl.logs import echo, log_dir, quiet_console, verbose, worker_env
+from asyncrl.logs import echo, log_dir, quiet_console, verbose
 from asyncrl.startup import RepeatedFailure, StartupError, StopFlag, check_reachable, say, step_timer
 
 if TYPE_CHECKING:
@@ -61,46 +61,6 @@ def find_resume(cfg: Config, run_dir: Path) -> Path | None:
     if not path.exists():
         raise StartupError(f"trainer.resume: checkpoint {path} does not exist")
     return path
-
-
-def ray_init(cfg: Config, namespace: str) -> None:
-    """Join `cluster.ray_address`, or start the embedded single-host cluster. The embedded mode
-    always starts its own cluster (`address="local"`), even when a stale or live
-    /tmp/ray/ray_current_cluster or RAY_ADDRESS would make a plain `ray.init()` join another one.
-    The job's code reaches every node through `runtime_env` (asyncrl.cluster.job_runtime_env)."""
-    import ray
-
-    from asyncrl.cluster import job_runtime_env
-    from asyncrl.small_machine.patches import defer_arrow_serializers, lean_head
-
-    defer_arrow_serializers()  # the driver's serialization context is built inside ray.init
-    env = job_runtime_env(cfg)
-    env["env_vars"].update(worker_env())  # role log files (asyncrl.logs); empty in verbose mode
-    if cfg.cluster.ray_address:
-        check_reachable(cfg.cluster.ray_address)
-        try:
-            ray.init(address=cfg.cluster.ray_address, namespace=namespace, runtime_env=env, logging_level="WARNING",
-                     log_to_driver=verbose())
-        except Exception as exc:
-            hint = "" if os.environ.get("RAY_AUTH_MODE") else (
-                " (a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here)")
-            raise StartupError(f"cluster.ray_address={cfg.cluster.ray_address!r} is unreachable: {exc}{hint}") from exc
-    else:
-        # no API server, autoscaler monitor or (quiet) log monitor: nothing here uses them (asyncrl.small_machine.patches)
-        with lean_head(log_monitor=verbose()) if cfg.cluster.small_machine else contextlib.nullcontext():
-            ray.init(**embedded_ray_options(cfg), namespace=namespace, runtime_env=env, logging_level="WARNING",
-                     log_to_driver=verbose())  # quiet mode: the actors write to <run_dir>/logs/ (asyncrl.logs)
-
-
-def embedded_ray_options(cfg: Config) -> dict[str, Any]:
-    """`ray.init` options of the embedded single-host cluster: every Ray endpoint on loopback (token
-    auth is Ray's default for new clusters), no dashboard, and no idle workers prestarted when the
-    driver connects: the raylet would start one per CPU without the job's runtime_env, so no actor
-    of the job can use them, and on a small machine they compete with the start-up for the cores
-    (2-core quick start: 2-5 idle `ray::IDLE` processes during start-up, none used)."""
-    return {"address": "local", "num_cpus": cfg.cluster.num_cpus or max(4, (os.cpu_count() or 2) * 2),
-            "num_gpus": cfg.cluster.num_gpus, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
-            "_system_config": {"prestart_worker_first_driver": False}}
 
 
 def preflight(cfg: Config) -> None:

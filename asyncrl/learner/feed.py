@@ -71,7 +71,7 @@ class BatchFeed:
 
     def __init__(self, address: str, curve: Any = None, *, secret: str | None = None,
                  max_frame_bytes: int = 256 * 2**20) -> None:
-        from asyncrl.replay import BufferClient
+        from asyncrl.replay.client import BufferClient
 
         self.address = address
         self.client = BufferClient(address, curve, secret=secret, actor_id="learner", max_frame_bytes=max_frame_bytes)

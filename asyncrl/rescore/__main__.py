@@ -17,6 +17,8 @@ import hashlib
 import json
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +136,7 @@ async def _replay(targets: list[Target], clients: dict[str, Any], broken: dict[s
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.rescore", description="Replay a finished run's stored "
                                      "policy turns to one or several verifiers (no policy) and write a table per "
                                      "verifier (docs/rescore.md).")
@@ -145,7 +147,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where the tables go (default RUN_DIR/rescore/<verifier>/)")
     parser.add_argument("--deadline-s", type=float, default=30.0, help="per request, retries included")
     parser.add_argument("--max-retries", type=int, default=1, help="retries after the first attempt")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@contextmanager
+def _verifier_clients(targets: list[Target], run_dir: str) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    """(a client per verifier name, why each broken one is): URLs are called as they are; YAML specs
+    are deployed in an embedded Ray (handles only), shut down on leaving."""
+    from asyncrl.serve.client import VerifierClient
+
+    clients: dict[str, Any] = {}
+    broken: dict[str, str] = {}
+    deployed = [t for t in targets if t.url is None]
+    ray_started = False
+    try:
+        if deployed:
+            import ray
+
+            from asyncrl.serve.deploy import deploy_verifier
+
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     namespace=f"rescore-{_slug(Path(run_dir).name)}")
+            ray_started = True
+            for i, t in enumerate(deployed):
+                try:
+                    handle = deploy_verifier(t.cfg.model_copy(update={"ingress": False}), name=f"rescore-{i}",
+                                             route_prefix=f"/rescore-{i}")
+                    clients[t.name] = VerifierClient(t.cfg, handle=handle)
+                except RuntimeError as exc:
+                    broken[t.name] = f"deployment failed: {str(exc).splitlines()[0]}"
+                    print(f"verifier {t.name} ({t.spec}): {broken[t.name]}", file=sys.stderr)
+        for t in targets:
+            if t.url is not None:
+                clients[t.name] = VerifierClient(t.cfg, base_url=t.url)
+        yield clients, broken
+    finally:
+        if ray_started:
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _write_tables(targets: list[Target], records: dict[str, list[dict[str, Any]]], out: Path) -> int:
+    """One table per verifier (JSON and Markdown, also printed); how many verifiers failed requests."""
+    from asyncrl.rescore.tables import render_markdown, verifier_table
+
+    failing = 0
+    for t in targets:
+        table = verifier_table(t.name, records[t.name])
+        table["spec"] = t.spec
+        (out / t.name / "table.json").write_text(json.dumps(table, indent=2))
+        (out / t.name / "table.md").write_text(render_markdown(table))
+        print(render_markdown(table))
+        if table["failed"]:
+            failing += 1
+            print(f"verifier {t.name} ({t.spec}): {table['failed']} of {table['turns']} requests failed; first: "
+                  f"{table['first_error']}", file=sys.stderr)
+    return failing
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     from asyncrl.rescore.turns import NoConversations, load_turns
 
@@ -173,55 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                 "top_p": float(s.get("top_p", 0.95)), "top_k": s.get("top_k")}
     print(f"re-scoring {len(turns)} verifier turns of {args.run_dir} with {len(targets)} verifier(s): "
           + ", ".join(f"{t.name} ({t.spec})" for t in targets), file=sys.stderr)
-
-    from asyncrl.serve.client import VerifierClient
-
-    clients: dict[str, Any] = {}
-    broken: dict[str, str] = {}
-    deployed = [t for t in targets if t.url is None]
-    ray_started = False
-    try:
-        if deployed:
-            import ray
-
-            from asyncrl.serve.deploy import deploy_verifier
-
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     namespace=f"rescore-{_slug(Path(args.run_dir).name)}")
-            ray_started = True
-            for i, t in enumerate(deployed):
-                try:
-                    handle = deploy_verifier(t.cfg.model_copy(update={"ingress": False}), name=f"rescore-{i}",
-                                             route_prefix=f"/rescore-{i}")
-                    clients[t.name] = VerifierClient(t.cfg, handle=handle)
-                except RuntimeError as exc:
-                    broken[t.name] = f"deployment failed: {str(exc).splitlines()[0]}"
-                    print(f"verifier {t.name} ({t.spec}): {broken[t.name]}", file=sys.stderr)
-        for t in targets:
-            if t.url is not None:
-                clients[t.name] = VerifierClient(t.cfg, base_url=t.url)
+    with _verifier_clients(targets, args.run_dir) as (clients, broken):
         records = asyncio.run(_replay(targets, clients, broken, turns, sampling, guide.get("prompt_template"),
                                       guide.get("stop_token", "###STOP###"), out))
-    finally:
-        if ray_started:
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
-
-    from asyncrl.rescore.tables import render_markdown, verifier_table
-
-    failing = 0
-    for t in targets:
-        table = verifier_table(t.name, records[t.name])
-        table["spec"] = t.spec
-        (out / t.name / "table.json").write_text(json.dumps(table, indent=2))
-        (out / t.name / "table.md").write_text(render_markdown(table))
-        print(render_markdown(table))
-        if table["failed"]:
-            failing += 1
-            print(f"verifier {t.name} ({t.spec}): {table['failed']} of {table['turns']} requests failed; first: "
-                  f"{table['first_error']}", file=sys.stderr)
+    failing = _write_tables(targets, records, out)
     print(f"tables under {out}/<verifier>/table.md", file=sys.stderr)
     return 1 if failing else 0
 

@@ -57,16 +57,27 @@ def deployment_options(cfg: VerifierConfig, resources: dict[str, float] | None =
     return opts
 
 
+def replica_kwargs(cfg: VerifierConfig, rule_fn: Callable[[list[dict]], str] | None = None,
+                   small_machine: bool | None = None) -> dict[str, Any]:
+    """The replica's arguments beside its config: the rule back-end's `rule_fn`, the vLLM back-end's
+    `small_machine` (the job's resolved `cluster.small_machine`; None when no job config is known)."""
+    if cfg.backend == "rule":
+        return {"rule_fn": rule_fn} if rule_fn is not None else {}
+    if cfg.backend == "vllm" and small_machine is not None:
+        return {"small_machine": small_machine}
+    return {}
+
+
 def build_app(cfg: VerifierConfig, *, rule_fn: Callable[[list[dict]], str] | None = None,
-              resources: dict[str, float] | None = None) -> Any:
+              resources: dict[str, float] | None = None, small_machine: bool | None = None) -> Any:
     """The Serve application for `cfg` (not yet running; deploy.py runs it).
 
     `rule_fn` replaces `asyncrl.tasks.get_rule_verifier(cfg.task)` in the rule back-end (tests,
     custom tasks); it travels to the replicas with cloudpickle inside the cluster only.
+    `small_machine`: `cluster.small_machine` of the job, for the vLLM back-end's engine core.
     """
     from ray import serve
 
     cls = serve.ingress()(BACKENDS[cfg.backend])
     deployment = serve.deployment(**deployment_options(cfg, resources))(cls)
-    kwargs = {"rule_fn": rule_fn} if (rule_fn is not None and cfg.backend == "rule") else {}
-    return deployment.bind(cfg.model_dump(), **kwargs)
+    return deployment.bind(cfg.model_dump(), **replica_kwargs(cfg, rule_fn, small_machine))

@@ -65,13 +65,22 @@ def verifier_engine_args(c: Any, tokenizer_path: str, on_gpu: bool) -> Any:
                            max_model_len=c.max_model_len, enforce_eager=not on_gpu, seed=0,
                            tensor_parallel_size=max(1, int(c.gpus_per_replica)) if on_gpu else 1)
 
+def forks_engine_core(on_gpu: bool, small_machine: bool | None) -> bool:
+    """Whether a verifier replica forks its vLLM engine core instead of spawning it: on CPU, behind
+    `cluster.small_machine` as the rollout actors' engines are (`actors.engine.EngineSpec`); None
+    (a verifier deployed without a job config: `python -m asyncrl.serve`, rescore) = the switch's
+    derived value there, on without a GPU."""
+    return not on_gpu and small_machine is not False
+
+
 class VLLMVerifier(VerifierReplica):
     backend = "vllm"
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], small_machine: bool | None = None):
         from asyncrl.startup import starting
 
         super().__init__(cfg)
+        self.small_machine = small_machine
         with starting(f"verifier replica ({self.backend}, {self.version})"):
             self._build_engine()
 
@@ -93,7 +102,8 @@ class VLLMVerifier(VerifierReplica):
 
         apply_engine_env(engine_env(c.gpus_per_replica if on_gpu else 0, None))  # in-process on CPU
         vllm_config = args.create_engine_config()
-        with engine_core_forked(not on_gpu):  # CPU: the engine core forked from the replica, not spawned
+        # CPU on a small machine: the engine core forked from the replica, not spawned
+        with engine_core_forked(forks_engine_core(on_gpu, self.small_machine)):
             self.engine = AsyncLLM.from_vllm_config(vllm_config)
 
     def __del__(self) -> None:

@@ -35,6 +35,7 @@ logger = logging.getLogger("asyncrl.serve")
 _DEPLOYED: dict[str, tuple[VerifierConfig, Callable | None]] = {}
 # Extra Ray resources of the replicas (`cluster.resources.verifier`), kept for later swaps.
 _RESOURCES: dict[str, dict[str, float]] = {}
+_SMALL_MACHINE: dict[str, bool | None] = {}  # app name -> the job's cluster.small_machine (swaps keep it)
 
 
 @dataclass
@@ -120,9 +121,11 @@ def deploy_verifier(cfg: Config | VerifierConfig, *, name: str = APP_NAME, route
     port_range = cfg.cluster.port_range if isinstance(cfg, Config) else None
     if isinstance(cfg, Config) and cfg.cluster.resources.get("verifier"):
         _RESOURCES[name] = cfg.cluster.resources["verifier"]
+    _SMALL_MACHINE[name] = cfg.cluster.small_machine if isinstance(cfg, Config) else None
     vcfg = start_serve(resolve_port(_verifier_cfg(cfg), port_range))
     try:
-        handle = serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
+        handle = serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name),
+                                     small_machine=_SMALL_MACHINE[name]), name=name,
                            route_prefix=route_prefix, logging_config=serve_logging_config())
     except RuntimeError as exc:  # Serve's sentence; the replica's own error (asyncrl.startup) is in its status
         raise RuntimeError(f"{exc}\n{_deployment_status(name)}") from exc
@@ -153,6 +156,9 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
     from ray import serve
 
     vcfg = _verifier_cfg(new_cfg)
+    if isinstance(new_cfg, Config):
+        _SMALL_MACHINE[name] = new_cfg.cluster.small_machine
+    small = _SMALL_MACHINE.get(name)
     old_cfg, old_rule_fn = _DEPLOYED.get(name, (None, None))
     try:
         info = serving_info(name)
@@ -163,7 +169,7 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
         old_cfg = None
     t0 = time.perf_counter()
     try:
-        serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name)), name=name,
+        serve.run(build_app(vcfg, rule_fn=rule_fn, resources=_RESOURCES.get(name), small_machine=small), name=name,
                   route_prefix=route_prefix, logging_config=serve_logging_config())
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}" + _deployment_message(name)
@@ -171,7 +177,8 @@ def swap_verifier(new_cfg: Config | VerifierConfig, *, name: str = APP_NAME, rou
         if old_cfg is None:
             return SwapReport(False, None, vcfg.version, None, time.perf_counter() - t0, error)
         # Serve kept the old replicas; redeploy the old config so the app is healthy again.
-        serve.run(build_app(old_cfg, rule_fn=old_rule_fn, resources=_RESOURCES.get(name)), name=name,
+        serve.run(build_app(old_cfg, rule_fn=old_rule_fn, resources=_RESOURCES.get(name), small_machine=small),
+                  name=name,
                   route_prefix=route_prefix, logging_config=serve_logging_config())
         _DEPLOYED[name] = (old_cfg, old_rule_fn)
         return SwapReport(False, old_cfg.version, vcfg.version, serving_info(name)["version"],

@@ -38,6 +38,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# re-exported: the records the rows are made of
+from asyncrl.actors.guided.conversation import conversation_record
+
 __all__ = ["SynthFilters", "SynthConfig", "conversation_record", "records_to_rows", "SynthWriter", "CHECKERS",
            "reply_parses"]
 
@@ -102,18 +105,6 @@ def reply_parses(text: str | None, stop_token: str = "###STOP###") -> tuple[bool
     if reply.hallucination is None:
         return False, None
     return True, 1 - reply.hallucination
-
-
-def conversation_record(conv: Any, sample: int) -> dict[str, Any]:
-    """What a rollout actor sends back of one finished conversation (plain JSON)."""
-    return {
-        "prompt_uid": str(conv.prompt_uid), "sample": sample, "problem": str(conv.problem),
-        "ground_truth": conv.ground_truth, "finish_reason": str(conv.finish_reason),
-        "initial_messages": conv.initial_messages,
-        "turns": [{"policy": t.text, "user": t.user_content, "request": t.verifier_request, "reply": t.verifier_text,
-                   "error": t.verifier_error, "version": t.verifier_version, "policy_tokens": len(t.token_ids)}
-                  for t in conv.turns],
-    }
 
 
 def _correct(text: str, answer: Any) -> bool:

@@ -77,7 +77,7 @@ def perturbed(model, scale: float, seed: int):
 def setup(tmp_path_factory, request):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import RolloutConfig
 
     torch.set_num_threads(1)
@@ -96,8 +96,8 @@ def setup(tmp_path_factory, request):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30,
-                            worker_extension=FAULT_EXTENSION)
+        return PolicyEngine(EngineSpec(str(path), cfg, engine_id="eng0", max_model_len=256, weight_timeout_s=30,
+                            worker_extension=FAULT_EXTENSION))
 
     engine = lt.run(make())
     print(f"\nengine on {path} (prompt of {len(prompt)} tokens, weight path {request.param})")

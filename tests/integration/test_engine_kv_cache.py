@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_fractional_cpu_kv_cache(tmp_path, monkeypatch):
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import RolloutConfig
 
     torch.set_num_threads(1)
@@ -23,8 +23,8 @@ def test_fractional_cpu_kv_cache(tmp_path, monkeypatch):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(str(path), RolloutConfig(cpu_kvcache_gb=1 / 64, max_num_seqs=8), engine_id="kv",
-                            max_model_len=128, weight_timeout_s=30)
+        return PolicyEngine(EngineSpec(str(path), RolloutConfig(cpu_kvcache_gb=1 / 64, max_num_seqs=8), engine_id="kv",
+                            max_model_len=128, weight_timeout_s=30))
 
     engine = lt.run(make())
     try:

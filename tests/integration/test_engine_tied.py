@@ -23,7 +23,7 @@ PROMPT = [1, 4, 3, 10, 16, 14, 18, 2, 3, 1, 5, 3]
 def test_tied_embeddings_reach_the_head_after_update(tmp_path, weight_path):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import RolloutConfig
     from asyncrl.weights.sender import WeightSender
 
@@ -36,9 +36,9 @@ def test_tied_embeddings_reach_the_head_after_update(tmp_path, weight_path):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(str(path), RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8,
+        return PolicyEngine(EngineSpec(str(path), RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8,
                                                      weight_transfer=weight_path),
-                            engine_id="tied", max_model_len=128, weight_timeout_s=30)
+                            engine_id="tied", max_model_len=128, weight_timeout_s=30))
 
     engine = lt.run(make())
     try:

@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.learner.learner import LearnerWorker
     from asyncrl.weights.adapter import adapter_config
     from asyncrl.weights.sender import WeightSender
@@ -64,9 +64,9 @@ def stack(tmp_path_factory):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(path, cfg.rollout.model_copy(update={"cpu_kvcache_gb": 1, "max_num_seqs": 16}),
+        return PolicyEngine(EngineSpec(path, cfg.rollout.model_copy(update={"cpu_kvcache_gb": 1, "max_num_seqs": 16}),
                             engine_id="lora-eng", max_model_len=256, weight_timeout_s=30,
-                            lora_adapter=adapter_config(cfg.model.lora, path), lora_keep=KEEP)
+                            lora_adapter=adapter_config(cfg.model.lora, path), lora_keep=KEEP))
 
     engine = lt.run(make())
     sender = WeightSender(cfg.learner.weights, publish=True, members=engine.weight_member_ids())

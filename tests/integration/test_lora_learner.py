@@ -213,11 +213,10 @@ def test_architecture_vllm_cannot_serve_with_lora_falls_back_to_merged(tmp_path,
     assert float((base_lp - _logprobs(policy)).abs().max()) > 1e-3  # the adapter matters
     from test_engine import LoopThread, hf_logprobs
 
-    from asyncrl.actors.engine import PolicyEngine
-    from asyncrl.actors.rollout import lora_engine_kwargs
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import RolloutConfig
 
-    assert lora_engine_kwargs(cfg) == {}  # the engine is a plain full-weight engine
+    assert EngineSpec.from_job(cfg, "job").lora_adapter is None  # the engine is a plain full-weight engine
     lt = LoopThread()
     engine = lt.run(_make_engine(PolicyEngine, path, RolloutConfig(cpu_kvcache_gb=1, max_num_seqs=8)))
     try:
@@ -237,7 +236,9 @@ async def _sample(engine, n: int):
 
 
 async def _make_engine(cls, path: str, rollout):
-    return cls(path, rollout, engine_id="gpt2-eng", max_model_len=128, weight_timeout_s=30)
+    from asyncrl.actors.engine import EngineSpec
+
+    return cls(EngineSpec(path, rollout, engine_id="gpt2-eng", max_model_len=128, weight_timeout_s=30))
 
 
 def test_zero3_gathers_the_adapter_and_the_merged_export(tmp_path):

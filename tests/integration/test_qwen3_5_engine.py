@@ -35,7 +35,7 @@ def _build(out: Path) -> Path:
 def test_engine_follows_a_weight_update(tmp_path: Path, weight_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import RolloutConfig
     from asyncrl.weights.sender import WeightSender
 
@@ -52,8 +52,8 @@ def test_engine_follows_a_weight_update(tmp_path: Path, weight_path: str) -> Non
         # chunked prefill, which asyncrl turns off on CPU (seeded requests)
         cfg = RolloutConfig(cpu_kvcache_gb=0.25, max_num_seqs=8, dtype="bfloat16", enable_prefix_caching=False,
                             weight_transfer=weight_path)
-        return PolicyEngine(str(path), cfg,
-                            engine_id="q35", max_model_len=128, weight_timeout_s=60)
+        return PolicyEngine(EngineSpec(str(path), cfg,
+                            engine_id="q35", max_model_len=128, weight_timeout_s=60))
 
     engine = lt.run(make())
     try:

@@ -36,7 +36,7 @@ def eng(request):
 
     from transformers import AutoProcessor
 
-    from asyncrl.actors.engine import PolicyEngine
+    from asyncrl.actors.engine import EngineSpec, PolicyEngine
     from asyncrl.config import RolloutConfig
     from asyncrl.learner.multimodal import VLInputBuilder, load_vl_model
 
@@ -48,7 +48,7 @@ def eng(request):
     lt = LoopThread()
 
     async def make():
-        return PolicyEngine(str(TINY_VL), cfg, engine_id="vl0", max_model_len=512, weight_timeout_s=30)
+        return PolicyEngine(EngineSpec(str(TINY_VL), cfg, engine_id="vl0", max_model_len=512, weight_timeout_s=30))
 
     engine = lt.run(make())
     yield SimpleNamespace(engine=engine, lt=lt, proc=proc, hf=hf, builder=VLInputBuilder(hf, proc))

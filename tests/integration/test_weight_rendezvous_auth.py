@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from datetime import timedelta
 
 import psutil
@@ -36,11 +35,10 @@ def test_a_join_request_without_the_secret_costs_the_sender_nothing() -> None:
         intruder.set(f"{PREFIX}/joinreq/{n}", "intruder-0")  # the plain request an old receiver sends
         n = intruder.add(f"{PREFIX}/joinreq_n", 1)
         intruder.set(f"{PREFIX}/joinreq/{n}", json.dumps({"member": "intruder-1", "mac": "00" * 32}))
-        start = time.monotonic()
         report = s.broadcast([("w", torch.ones(4))], version=1)
-        took = time.monotonic() - start
         assert report.members == [] and "intruder-0" not in s.members and "intruder-1" not in s.members
-        assert took < 2.0, f"the sender spent {took:.1f}s on strangers"
+        # nobody was waited for: no member planned, none dropped at a deadline
+        assert report.dropped == [] and report.acked == [] and s.dropped_total == 0
         assert s.rejected_joins == 2
     finally:
         s.close()

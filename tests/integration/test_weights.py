@@ -26,7 +26,7 @@ from weight_faults import InjectedFaults
 
 from asyncrl.weights.sender import WeightSender
 from asyncrl.weights.store import fetch_weights, start_weight_store
-from asyncrl.weights.wire import pack_buckets, unpack_bucket
+from asyncrl.weights.wire import PREFIX, pack_buckets, unpack_bucket
 
 pytestmark = pytest.mark.integration
 TIMEOUT = 5.0  # generous: the shared 2-core machine can starve a process for seconds
@@ -173,9 +173,8 @@ def test_member_that_never_joins_is_dropped_within_timeout():
     assert elapsed < 2 * TIMEOUT + 5  # process start (~s) + one watchdog period, not a hang
     assert sender.dropped_total == 1 and "ghost" not in sender.members
     assert collect(q, 1)["a"][0][:2] == ("ok", 1)
-    t0 = time.monotonic()
     report = sender.broadcast(state_dict(2).items(), 2)  # next round: no waiting on the ghost
-    assert report.acked == ["a"] and time.monotonic() - t0 < 1.0
+    assert report.acked == ["a"] and report.members == ["a"] and report.dropped == []  # not planned, not dropped again
     assert collect(q, 1)["a"][0][:2] == ("ok", 2)
     for p in procs:
         p.join(10)
@@ -334,12 +333,13 @@ def test_member_killed_mid_broadcast_is_dropped_and_rejoins_from_the_store():
 def test_corrupted_round_is_caught_by_the_fingerprint():
     sender = WeightSender(cfg(), members=["a"])
     q, procs = start(sender, {"a": ["recv_corrupt", "recv"]})
-    t0 = time.monotonic()
     report = sender.broadcast(state_dict(1).items(), 1)
     member, status, mismatches, _ = q.get(timeout=60)
     assert status == "failed" and mismatches == 1  # exactly the one flipped element's tensor
     assert report.acked == [] and report.dropped == ["a"]  # nacked: re-fed from the store, rejoins
-    assert time.monotonic() - t0 < TIMEOUT  # the nack ends the wait for its ack
+    # the nack ended the wait for its ack: the ack key is there, and says no (a timeout finds none)
+    ack = f"{PREFIX}/g{sender.generation}/r{sender.seq}/ack/a"
+    assert sender.store.check([ack]) and sender.store.get(ack) == b"0"
     report = sender.broadcast(state_dict(2).items(), 2)
     assert collect(q, 1)["a"][0][0] == "not_member"
     for p in procs:
@@ -423,11 +423,10 @@ def test_a_group_being_built_never_holds_the_members_own_store_client():
 
     master = make_store("127.0.0.1", 0, is_master=True, timeout_s=5.0)
     member = make_store("127.0.0.1", master.port, is_master=False, timeout_s=5.0)
-    t0 = time.monotonic()
-    with pytest.raises(CollectiveTimeout):  # rank 1 of 2 never comes
+    # rank 1 of 2 never comes: the deadline ends the wait (gloo's own give-up at the 34 s backstop
+    # would surface as its constructor's error, not as this one)
+    with pytest.raises(CollectiveTimeout, match="passed its deadline"):
         connect_group(lambda: make_group(group_store("127.0.0.1", master.port, 1.0), 1, 0, 2, "gloo", 1.0),
                       None, time.monotonic() + 1.0, backstop_s=34.0, tick=lambda: member.add("alive", 1))
     ticks = member.add("alive", 0)  # the constructor is still waiting for rank 1 in its thread
-    elapsed = time.monotonic() - t0
-    assert elapsed < 10.0, elapsed  # one deadline, not the 34 s backstop
     assert ticks >= 2  # the heartbeat ran while the group was being built (every 0.2 s)

@@ -5,8 +5,9 @@ on), and the job knows exactly the commands the ctl client can queue."""
 from types import SimpleNamespace
 
 from asyncrl.config import load_config
-from asyncrl.ctl import _parser, execute
+from asyncrl.ctl import _parser
 from asyncrl.job import commands as job_commands
+from asyncrl.job.commands import execute
 from asyncrl.job.loop import Trainer
 from asyncrl.job.topology import Topology
 from asyncrl.startup import StopFlag

@@ -87,12 +87,10 @@ def test_non_equivalent_answers(given: str, truth: str) -> None:
     assert not grade_answer(given, truth)
 
 
-def test_risky_exponent_is_fast_and_counted() -> None:
+def test_risky_exponent_is_skipped_and_counted() -> None:
     before = grading_stats()["skipped_risky"]
-    t0 = time.monotonic()
     assert not grade_answer("9^{9^{9}}", "2")
-    assert time.monotonic() - t0 < 0.5
-    assert grading_stats()["skipped_risky"] == before + 1
+    assert grading_stats()["skipped_risky"] == before + 1  # never handed to sympy to evaluate
 
 
 @pytest.mark.parametrize(

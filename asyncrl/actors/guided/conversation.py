@@ -351,6 +351,19 @@ class Conversation:
                                         self.options.prompt_template)
 
 
+def conversation_record(conv: Any, sample: int) -> dict[str, Any]:
+    """What a rollout actor sends back of one finished conversation (plain JSON): the records verifier
+    SFT synthesis turns into rows (asyncrl.verifier_training.rows)."""
+    return {
+        "prompt_uid": str(conv.prompt_uid), "sample": sample, "problem": str(conv.problem),
+        "ground_truth": conv.ground_truth, "finish_reason": str(conv.finish_reason),
+        "initial_messages": conv.initial_messages,
+        "turns": [{"policy": t.text, "user": t.user_content, "request": t.verifier_request, "reply": t.verifier_text,
+                   "error": t.verifier_error, "version": t.verifier_version, "policy_tokens": len(t.token_ids)}
+                  for t in conv.turns],
+    }
+
+
 def _unpack_verifier_result(result: Any) -> tuple[bool, str, str | None, str | None, float | None, int | None]:
     if isinstance(result, str):
         return True, result, None, None, None, None
