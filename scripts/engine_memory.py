@@ -7,7 +7,8 @@ Builds one `PolicyEngine` from MODEL_DIR (the quick start's rollout settings, fp
 the model's own tensors to it `--rounds` times with a `WeightSender` (gloo, buffered receive, as in a
 job). The engine core's resident memory is sampled every 0.1 s: after the build, each round's
 peak and what stays after it. Prints one JSON line: those figures, the growth from the 5th round to
-the last (exit 1 above `--max-growth-gib`: an engine that keeps a buffer per reload), and
+the last (exit 1 above `--max-growth-gib`: an engine that keeps a buffer per reload), the
+median seconds of the round's `trim` phase, and
 `asyncrl.learner.memory.engine_host_bytes` for the same model and settings (the preflight's
 figure), by component.
 """
@@ -80,7 +81,7 @@ async def run(args: argparse.Namespace) -> dict:
     built = sampler.now
     sender = WeightSender(SimpleNamespace(bucket_mb=16, gloo_bucket_mb=16, backend="gloo", timeout_s=120.0,
                                           host="127.0.0.1"), members=engine.weight_member_ids())
-    peaks, after = [], []
+    peaks, after, trim = [], [], []
     try:
         for version in range(1, args.rounds + 1):
             sampler.reset_peak()
@@ -90,6 +91,7 @@ async def run(args: argparse.Namespace) -> dict:
             time.sleep(0.3)
             peaks.append(round(sampler.peak, 3))
             after.append(round(sampler.now, 3))
+            trim.append(res.get("phases", {}).get("trim", 0.0))
     finally:
         sender.close()
         engine.shutdown()
