@@ -104,6 +104,7 @@ async def run(args: argparse.Namespace) -> dict:
                                                                              for t in state.values()),
             "path": args.path, "rounds": args.rounds, "built_gib": round(built, 3), "peak_gib": max(peaks),
             "round_peaks_gib": peaks, "after_round_gib": after, "growth_after_round5_gib": round(after[-1] - base, 3),
+            "trim_s_median": round(sorted(trim)[len(trim) // 2], 4),
             "estimate_gib": round(sum(estimate.values()) / GiB, 3),
             "estimate": {k: round(v / GiB, 3) for k, v in estimate.items()}}
 
