@@ -49,7 +49,9 @@ vLLM (checked against 0.32.0):
 Tests: tests/unit/test_patches.py (every patched name exists in the installed versions),
 tests/unit/test_role_imports.py (Ray's addons with and without the deferral),
 tests/integration/test_ray_embedded.py (a real embedded cluster: no API server, autoscaler monitor or
-quiet-mode log monitor process, and a worker under the job's runtime_env that has not imported pyarrow).
+quiet-mode log monitor process, and a worker under the job's runtime_env that has not imported pyarrow),
+tests/unit/test_embedding_pack.py (patch 5 against vLLM's real embedding method) and
+tests/integration/test_engine_tied.py (a tied model's logprobs after a reload, both weight paths).
 """
 
 from __future__ import annotations
