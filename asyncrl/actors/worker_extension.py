@@ -6,7 +6,8 @@ rank loads the full checkpoint-format tensors and shards them itself) around a p
 `model_runner.reload_weights(..., is_checkpoint_format=True)`, which also re-runs the CPU build's
 weight repacking and handles fused/packed projections (qkv, gate_up) through the model's own
 `load_weights`. Tied embeddings: the CPU build's repacked `lm_head` keeps the old embedding, so
-after every load we re-tie it and re-run its post-load processing. It lives with the engine, not
+the head stays out of the reload and is re-tied and re-packed after it (the input embedding, a
+lookup, is not packed at all: the matrix is packed once per round). It lives with the engine, not
 in `asyncrl.weights`, because every line of it is written against vLLM's private worker API.
 
 Every round is verified twice: the sampled elements that arrived against the sender's
@@ -44,6 +45,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from asyncrl.small_machine.patches import vllm_embedding_packs_lazily
+from asyncrl.small_machine.process import release_free_heap
 from asyncrl.weights.phases import PhaseTimer, add_phase
 from asyncrl.weights.receiver import RoundHook, WeightReceiver, readback_mismatches
 from asyncrl.weights.wire import NamedTensor
@@ -53,36 +56,68 @@ log = logging.getLogger(__name__)
 
 def load_into_vllm_model(model_runner: Any, weights: Iterator[NamedTensor], timer: PhaseTimer | None = None) -> None:
     """Load checkpoint-format (HF-named) tensors into a running vLLM model in place, with vLLM's
-    layer-wise reload, which ALWAYS finalises. vLLM 0.32's `reload_weights` runs initialise /
-    `model.load_weights` / finalise without a `finally`: a round that fails mid-stream leaves every
-    layer in reload state, and the next reload's `initialize_layerwise_reload` skips such layers and
-    keeps what they buffered. A fused projection (qkv_proj, gate_up_proj) that got its first part
-    in the failed round then counts that part twice, is processed before its last parts arrive
-    (their rows never written) and drops them as "excessive loading": silent corruption that the
-    read-back check cannot see (fused parameters have no 1:1 name). Finalising after a failure
-    processes the partial layers on what arrived, so the model is `touched` and the engine
-    reloads a full version before generating (`PolicyEngine._paused`), as on the native path."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    layer-wise reload (the steps of vLLM 0.32's `model_runner.reload_weights`), which ALWAYS
+    finalises. vLLM's own runs initialise / `model.load_weights` / finalise without a `finally`: a
+    round that fails mid-stream leaves every layer in reload state, and the next reload's
+    `initialize_layerwise_reload` skips such layers and keeps what they buffered. A fused projection
+    (qkv_proj, gate_up_proj) that got its first part in the failed round then counts that part
+    twice, is processed before its last parts arrive (their rows never written) and drops them as
+    "excessive loading": silent corruption that the read-back check cannot see (fused parameters
+    have no 1:1 name). Finalising after a failure processes the partial layers on what arrived, so
+    the model is `touched` and the engine reloads a full version before generating
+    (`PolicyEngine._paused`), as on the native path. A tied head stays out of the reload
+    (`leave_tied_head_out`) and is re-tied after it."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     timer = timer if timer is not None else PhaseTimer()
+    model = model_runner.get_model()
+    initialize_layerwise_reload(model)
+    leave_tied_head_out(model)
     try:
-        model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-    except BaseException:
-        finalize_layerwise_reload(model_runner.get_model(), model_runner.model_config)
-        raise
+        model.load_weights(weights)
     finally:
+        finalize_layerwise_reload(model, model_runner.model_config)
         with timer.span("retie"):  # inside the receiver's `load` span: counted apart from it
-            retie_head(model_runner.get_model())
+            retie_head(model)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as reload_weights does
+        getattr(model_runner, reset, lambda: None)()
 
 
-def retie_head(model: Any) -> None:
-    """Tied embeddings: point `lm_head` at the (reloaded) embedding again and re-run its post-load
-    processing (the CPU build repacks the head; layer-wise reload may swap the Parameter)."""
+def tied_head(model: Any) -> Any | None:
+    """The model's `lm_head` where it shares the input embedding's matrix (None otherwise)."""
     config = getattr(model, "config", None)
     head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
     if config is not None and getattr(config, "tie_word_embeddings", False) and head is not None \
             and hasattr(inner, "embed_tokens") and hasattr(head, "quant_method"):
-        head.weight = inner.embed_tokens.weight
+        return head
+    return None
+
+
+def leave_tied_head_out(model: Any) -> None:
+    """Right after `initialize_layerwise_reload`: give a tied head its parameter back and end its
+    reload state. A checkpoint carries the shared matrix once, as `embed_tokens`, so the head's own
+    layer-wise reload would receive nothing: vLLM would warn "Failed to load weights" at every
+    finalise and put the same parameter back anyway. The head keeps the embedding's Parameter,
+    which the embedding's reload refills in place; `retie_head` then rebuilds its kernel."""
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    head = tied_head(model)
+    if head is None:
+        return
+    info = get_layerwise_info(head)
+    if info.can_load() and info.kernel_tensors is not None:
+        _place_kernel_tensors(head, info)
+        info.reset()
+
+
+def retie_head(model: Any) -> None:
+    """Tied embeddings: point `lm_head` at the (reloaded) embedding again and re-run its post-load
+    processing (the CPU build packs the head's GEMM kernel from a copy of the matrix, so a reloaded
+    embedding does not reach it otherwise). The input embedding itself is not packed
+    (`asyncrl.small_machine.patches.vllm_embedding_packs_lazily`): the matrix is packed once."""
+    head = tied_head(model)
+    if head is not None:
+        head.weight = model.model.embed_tokens.weight
         head.quant_method.process_weights_after_loading(head)
 
 
@@ -109,6 +144,15 @@ def verify_load(model: Any, receiver: WeightReceiver, result: dict[str, Any]) ->
     if bad:
         log.error("weights: %d parameters differ from what arrived after the load (e.g. %s)", len(bad), bad[0])
         result.update(status="fingerprint_mismatch", fingerprint_mismatch=len(bad), touched=True)
+
+
+def trim_after_round(result: dict[str, Any]) -> None:
+    """The round's receive buffers (a whole version, buffered) and the reload's materialised layers
+    are freed by now: hand that memory back to the system, so the engine's resident memory stays
+    flat across reloads instead of keeping what the heap fragmented (phase `trim`)."""
+    t = time.perf_counter()
+    if release_free_heap():
+        add_phase(result, "trim", time.perf_counter() - t)
 
 
 def _receiver_device(device: Any) -> torch.device | None:
@@ -143,6 +187,7 @@ class WeightReceiverExtension:
                                   buffered=buffered)
         result.pop("tensors", None)
         verify_load(self.model_runner.get_model(), receiver, result)
+        trim_after_round(result)
         return result
 
     def asyncrl_native_result(self) -> dict[str, Any]:
@@ -216,6 +261,7 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
 
         self._round, self._result = None, None
         initialize_layerwise_reload(self.model)
+        leave_tied_head_out(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """The round, then the device synchronize the base class does, both guarded: an error out
@@ -273,6 +319,7 @@ class AsyncrlTransferEngine(WeightTransferEngine[AsyncrlInitInfo, AsyncrlUpdateI
         add_phase(result, "retie", time.perf_counter() - t_retie)
         if receiver is not None:
             verify_load(self.model, receiver, result)
+        trim_after_round(result)
         self._round, self._result = None, result
 
     def take_result(self) -> dict[str, Any]:
@@ -293,3 +340,4 @@ def _register_native_engine() -> None:
 
 
 _register_native_engine()
+vllm_embedding_packs_lazily()  # in every engine worker, before vLLM builds the model

@@ -15,8 +15,11 @@ The floor, what any design must pay on this build, measured in the same engine i
   tensors (already in the worker's memory, read from the same files beforehand, untimed), plus the
   re-tie of a tied head that every reload on this build needs.
 floor = wire + reload; `ratio` = asyncrl ÷ floor (goal <= 1.5). Best of `rounds` for each. Every
-round is run twice, interleaved: with the sender's store copy after each bucket is posted (the
-default) and before it (`store_copy_before_post`), the A/B of that choice.
+round is run in each of `VARIANTS`, interleaved, the A/B of a choice against asyncrl's default:
+the sender's store copy before each bucket is posted instead of after (`store_copy_before_post`),
+and the input embedding packed for a GEMM at every reload as vLLM does
+(`embedding_packed`; asyncrl's default packs the matrix once, for the head:
+`asyncrl.small_machine.patches.vllm_embedding_packs_lazily`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ import torch.distributed as dist
 from asyncrl.actors.worker_extension import WeightReceiverExtension, retie_head
 
 FLOOR_EXTENSION = "asyncrl.bench.sync_floor.FloorExtension"
+VARIANTS = {"store_copy_before_post": {"store_copy_overlap": False},
+            "embedding_packed": {"embedding_lazy": False}}
+"""The A/B variants of every round: what each changes against asyncrl's default."""
 
 
 class FloorExtension(WeightReceiverExtension):
@@ -50,6 +56,18 @@ class FloorExtension(WeightReceiverExtension):
         seconds = time.perf_counter() - t
         del buf, pg
         return seconds
+
+    def asyncrl_bench_embedding_lazy(self, enabled: bool) -> bool:
+        """Switch the lazy embedding packing in this worker (the next reloads follow it)."""
+        from asyncrl.small_machine.patches import vllm_embedding_packs_lazily
+
+        return vllm_embedding_packs_lazily(enabled)
+
+    def asyncrl_bench_rss(self) -> float:
+        """This worker's resident memory, GiB."""
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30
 
     def asyncrl_bench_reload(self, model_dir: str) -> dict[str, float]:
         """vLLM's own reload of the model's checkpoint tensors (read first, untimed), and the
@@ -98,15 +116,18 @@ async def _one_path(model_dir: str, cfg: Any, path: str, rounds: int, bucket_mb:
     sender = WeightSender(wcfg, members=engine.weight_member_ids(), publish=True)
     sender.publish_fn = lambda buckets, version, name: None
     master = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120), wait_for_workers=False)
-    ours: list[dict[str, Any]] = []
-    before: list[dict[str, Any]] = []  # the same rounds with the store copy before each bucket goes out
+    runs: dict[str, list[dict[str, Any]]] = {"default": [], **{v: [] for v in VARIANTS}}
     wire: list[float] = []
+    rss: list[float] = []  # the engine worker's resident GiB after each round's variants
     reload: list[dict[str, float]] = []
     try:
         version = 0
         for r in range(rounds + 1):  # round 0: warm-up (group build, first connections)
-            for overlap, acc in ((True, ours), (False, before)):
-                sender.store_copy_overlap = overlap
+            for variant, acc in runs.items():
+                change = VARIANTS.get(variant, {})
+                sender.store_copy_overlap = change.get("store_copy_overlap", True)
+                await engine.llm.collective_rpc("asyncrl_bench_embedding_lazy",
+                                                args=(change.get("embedding_lazy", True),))
                 version += 1
                 t0 = time.perf_counter()
                 report, res = await asyncio.gather(asyncio.to_thread(sender.broadcast, state.items(), version),
@@ -116,6 +137,8 @@ async def _one_path(model_dir: str, cfg: Any, path: str, rounds: int, bucket_mb:
                 if r:
                     acc.append({"seconds": seconds, "send": report.phases, "recv": res.get("phases"),
                                 "engine": res.get("engine_phases")})
+            await engine.llm.collective_rpc("asyncrl_bench_embedding_lazy", args=(True,))  # the floor packs once
+            rss.append((await engine.llm.collective_rpc("asyncrl_bench_rss"))[0])
             prefix = f"flat{r}"
             rpc = asyncio.ensure_future(engine.llm.collective_rpc(
                 "asyncrl_bench_flat", args=("127.0.0.1", master.port, prefix, flat.numel())))
@@ -127,8 +150,8 @@ async def _one_path(model_dir: str, cfg: Any, path: str, rounds: int, bucket_mb:
     finally:
         sender.close()
         engine.shutdown()
+    ours = runs.pop("default")
     best = min(ours, key=lambda o: o["seconds"])
-    best_before = min(before, key=lambda o: o["seconds"])
     wire_s = min(wire[1:])
     reload_best = min(reload[1:], key=lambda x: x["reload"] + x["retie"])
     floor = wire_s + reload_best["reload"] + reload_best["retie"]
@@ -136,10 +159,15 @@ async def _one_path(model_dir: str, cfg: Any, path: str, rounds: int, bucket_mb:
             "asyncrl_s": best["seconds"], "asyncrl_median_s": statistics.median(o["seconds"] for o in ours),
             "floor_s": floor, "floor_wire_s": wire_s, "floor_reload_s": reload_best["reload"],
             "floor_retie_s": reload_best["retie"], "ratio": best["seconds"] / floor, "goal": 1.5,
-            "phases": {k: best[k] for k in ("send", "recv", "engine")},
-            "store_copy_before_post": {"asyncrl_s": best_before["seconds"], "ratio": best_before["seconds"] / floor,
-                                       "asyncrl_median_s": statistics.median(o["seconds"] for o in before),
-                                       "phases": {k: best_before[k] for k in ("send", "recv", "engine")}}}
+            "phases": {k: best[k] for k in ("send", "recv", "engine")}, "engine_rss_gib": rss,
+            **{variant: _summary(acc, floor) for variant, acc in runs.items()}}
+
+
+def _summary(rounds: list[dict[str, Any]], floor: float) -> dict[str, Any]:
+    best = min(rounds, key=lambda o: o["seconds"])
+    return {"asyncrl_s": best["seconds"], "ratio": best["seconds"] / floor,
+            "asyncrl_median_s": statistics.median(o["seconds"] for o in rounds),
+            "phases": {k: best[k] for k in ("send", "recv", "engine")}}
 
 
 def run_engine_floor(cfg: Any, rounds: int = 3) -> dict[str, Any]:
@@ -158,9 +186,13 @@ def floor_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"engine {path}: asyncrl / floor", f"{r['asyncrl_s']:.3f} / {r['floor_s']:.3f} s = "
                      f"{r['ratio']:.2f}x (floor: wire {r['floor_wire_s']:.3f} + reload {r['floor_reload_s']:.3f} "
                      f"+ retie {r['floor_retie_s']:.3f})"))
-        b = r["store_copy_before_post"]
-        rows.append((f"engine {path}: store copy before post", f"{b['asyncrl_s']:.3f} s = {b['ratio']:.2f}x"))
-        for label, phases in (("", r["phases"]), ("(copy before post) ", b["phases"])):
+        rows.append((f"engine {path}: asyncrl median", f"{r['asyncrl_median_s']:.3f} s; engine resident GiB by "
+                     f"round {', '.join(f'{g:.2f}' for g in r['engine_rss_gib'])}"))
+        for variant in VARIANTS:
+            b = r[variant]
+            rows.append((f"engine {path}: {variant}", f"{b['asyncrl_s']:.3f} s = {b['ratio']:.2f}x "
+                         f"(median {b['asyncrl_median_s']:.3f} s)"))
+        for label, phases in (("", r["phases"]), *((f"({v}) ", r[v]["phases"]) for v in VARIANTS)):
             for side in ("send", "recv", "engine"):
                 ph = {k: v for k, v in (phases[side] or {}).items() if v >= 0.005}
                 rows.append((f"  {label}{side} phases", ", ".join(f"{k} {v:.3f}" for k, v in ph.items())))

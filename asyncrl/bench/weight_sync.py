@@ -264,6 +264,8 @@ def add_args(parser: Any) -> None:
 def run(cfg: Any, args: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     smoke = bool(args.smoke)
+    if getattr(args, "engine_only", False):  # before the synthetic states below: they would stay in memory
+        return _engine_floor(cfg, args)
     wcfg = cfg.learner.weights
     bucket_mb = min(wcfg.bucket_mb, wcfg.gloo_bucket_mb)  # what WeightSender uses on gloo
     name, policy = policy_state(cfg)
@@ -273,8 +275,6 @@ def run(cfg: Any, args: Any) -> dict[str, Any]:
     repeats = 1 if smoke else 3
     if args.lora_only:
         return _lora_only(sizes, bucket_mb, repeats, smoke)
-    if getattr(args, "engine_only", False):
-        return _engine_floor(cfg, args)
     cases, sweep, version = [], [], 0
     rig = Rig(2, bucket_mb)
     try:

@@ -45,7 +45,8 @@ def memory_rows(cfg: Config, policy: ModelFiles, machine_bytes: int) -> list[Row
     churn = rank["parameters"] + rank["gradients"] + rank["optimizer (fp32 master + Adam moments)"]
     rank.update(mem.cpu_learner_extras(shape, trainable=trainable, churn_bytes=churn))
     sync_copy = (2 if cfg.learner_precision == "bf16" else 4) * synced  # the sender's HostArena, rank 0
-    engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB), cfg.rollout.max_num_batched_tokens)
+    engine = mem.engine_host_bytes(shape, int(cfg.rollout.cpu_kvcache_gb * mem.GiB),
+                                   round_bytes=sync_copy)  # a round receives what rank 0 syncs
     parts = {f"learner rank x{cfg.learner_world_size}": sum(rank.values()) * cfg.learner_world_size,
              "learner's weight-sync host copy (rank 0)": int(sync_copy),
              f"rollout engine x{cfg.rollout.num_actors}": sum(engine.values()) * cfg.rollout.num_actors,

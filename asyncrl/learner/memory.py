@@ -177,14 +177,30 @@ def lora_params(config: dict, rank: int, target_modules: list[str] | tuple[str, 
     return layers * sum(rank * sum(dims[m]) for m in set(target_modules) if m in dims)
 
 
-def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int, batched_tokens: int = 0) -> dict[str, int]:
-    """Host memory of one vLLM CPU engine: fp32 weights, its KV cache, the runtime, and fp32
-    vocabulary-wide buffers for `batched_tokens` (`rollout.max_num_batched_tokens`): at
-    Qwen2.5-0.5B's shape the engine core held 4.54 GiB against 3.6 for the first three terms,
-    and 2048 x 151,936 x 4 B = 1.16 GiB bounds the 0.94 GiB difference (one measurement, docs/benchmarks.md
-    "Scale"; negligible at the quick start's vocabulary)."""
-    return {"weights (fp32)": int(4 * shape.params), "KV cache": int(kv_cache_bytes), "runtime": CPU_RUNTIME_BYTES,
-            "vocabulary buffers": int(4 * batched_tokens * shape.vocab)}
+def engine_host_bytes(shape: ModelShape, kv_cache_bytes: int, *, round_bytes: float | None = None) -> dict[str, int]:
+    """Host memory of one vLLM CPU engine at its peak, a weight round, by component (vLLM 0.32's
+    CPU build as asyncrl loads it; V x H = the vocabulary embedding):
+    - fp32 weights, 4*P: the linear layers' packed GEMM kernels (the CPU build frees the loaded
+      weight after packing), the embedding (a lookup) and the norms;
+    - the head's GEMM kernel, 4*V*H: packed from a copy of its matrix, which stays (tied: it is
+      the embedding, counted once in P; untied: the head's own weight, counted in P), so either
+      way one V x H beyond P. The input embedding is not packed
+      (`asyncrl.small_machine.patches.vllm_embedding_packs_lazily`; vLLM alone packs it too);
+    - a weight round: the buffered receive holds one whole synced version (`round_bytes`, default
+      4*P; an adapter-only sync is small) until the load, and the layer being reloaded is
+      materialised beside its kernel (at most the embedding, 4*V*H);
+    - the KV cache and the runtime (interpreter, torch, vLLM, its activation buffers).
+    Measured (scripts/engine_memory.py, the quick start's rollout settings, resident): 2 of
+    Qwen2.5-0.5B's 24 layers (0.664 GB) built at 2.34 GiB and peaked at 3.50-3.76 GiB in each of
+    50 rounds, against 2.88 and 4.00 estimated; at 24 layers the engine core held 4.54 GiB between
+    rounds while vLLM still packed the embedding too (4.03 without that copy) against 4.10. The
+    0.94 GiB that measurement had above weights + KV cache + runtime, once put down to fp32
+    vocabulary-wide buffers for `max_num_batched_tokens`, were the two packed V x H copies."""
+    vh = 4 * shape.vocab * shape.hidden
+    receive = 4 * shape.params if round_bytes is None else round_bytes
+    return {"weights (fp32)": int(4 * shape.params), "head GEMM kernel": int(vh),
+            "weight round (received version + one layer)": int(receive + vh),
+            "KV cache": int(kv_cache_bytes), "runtime": CPU_RUNTIME_BYTES}
 
 
 def checkpoint_bytes(params: float, trainable: float, bf16: bool) -> int:

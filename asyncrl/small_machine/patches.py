@@ -37,11 +37,21 @@ vLLM (checked against 0.32.0):
 4. **Does vLLM serve an architecture with LoRA?** (`vllm_model_class`): vLLM has no public lookup of
    a model class by architecture name without building an engine; `ModelRegistry._try_load_model_cls`
    is the one it uses itself.
+5. **An input embedding packed for a GEMM only when one runs** (`vllm_embedding_packs_lazily`, applied in
+   every engine worker by `asyncrl.actors.worker_extension`): on CPU, vLLM's
+   `UnquantizedEmbeddingMethod.process_weights_after_loading` builds a GEMM kernel (a oneDNN packed
+   copy of the whole matrix) for every vocabulary embedding, also the input `embed_tokens`, whose
+   forward is a lookup (`F.embedding`) that never calls it; at Qwen2.5-0.5B's 151,936 x 896 fp32 that
+   is 0.54 GB of memory and a repack on every weight reload. The replacement leaves a `ParallelLMHead`
+   as it was and gives any other embedding a `cpu_linear` that packs on its first call (a model that
+   uses its embedding as the head still gets its kernel, once per load).
 
 Tests: tests/unit/test_patches.py (every patched name exists in the installed versions),
 tests/unit/test_role_imports.py (Ray's addons with and without the deferral),
 tests/integration/test_ray_embedded.py (a real embedded cluster: no API server, autoscaler monitor or
-quiet-mode log monitor process, and a worker under the job's runtime_env that has not imported pyarrow).
+quiet-mode log monitor process, and a worker under the job's runtime_env that has not imported pyarrow),
+tests/unit/test_embedding_pack.py (patch 5 against vLLM's real embedding method) and
+tests/integration/test_engine_tied.py (a tied model's logprobs after a reload, both weight paths).
 """
 
 from __future__ import annotations
@@ -136,6 +146,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("lean_head", "ray", "2.60.0", "ray._private.node", "Node.start_log_monitor"),
     Patch("vllm_forks_in_ray_actor", "vllm", "0.32.0", "vllm.utils.system_utils", "is_in_ray_actor"),
     Patch("vllm_model_class", "vllm", "0.32.0", "vllm.model_executor.models", "ModelRegistry._try_load_model_cls"),
+    Patch("vllm_embedding_packs_lazily", "vllm", "0.32.0", "vllm.model_executor.layers.vocab_parallel_embedding",
+          "UnquantizedEmbeddingMethod.process_weights_after_loading"),
+    Patch("vllm_embedding_packs_lazily", "vllm", "0.32.0", "vllm.model_executor.layers.utils",
+          "dispatch_cpu_unquantized_gemm"),
 )
 
 
@@ -187,3 +201,50 @@ def vllm_model_class(architecture: str) -> type | None:
         logger.info("vllm ModelRegistry._try_load_model_cls not found: architecture %s treated as unknown", architecture)
         return None
     return lookup(architecture)
+
+
+def vllm_embedding_packs_lazily(enabled: bool = True) -> bool:
+    """On CPU, an embedding that is not a `ParallelLMHead` gets a `cpu_linear` that builds its GEMM
+    kernel on first use instead of at every load (idempotent; `enabled=False` puts vLLM's own
+    method back, for the benchmark's A/B). Returns whether the replacement is in place; where a
+    name moved, vLLM is left as it is (every embedding packed, as before), with a log line."""
+    import weakref
+
+    try:
+        from vllm.model_executor.layers import utils as vllm_layer_utils
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            UnquantizedEmbeddingMethod,
+        )
+        from vllm.platforms import current_platform
+    except ImportError:
+        logger.info("vllm's vocab_parallel_embedding not found: every embedding is packed at load, as before")
+        return False
+    current = getattr(UnquantizedEmbeddingMethod, "process_weights_after_loading", None)
+    dispatch = getattr(vllm_layer_utils, "dispatch_cpu_unquantized_gemm", None)
+    if current is None or dispatch is None:
+        logger.info("vllm's embedding packing hooks not found: every embedding is packed at load, as before")
+        return False
+    original = getattr(current, "_asyncrl_original", current)
+    if not enabled:
+        UnquantizedEmbeddingMethod.process_weights_after_loading = original
+        return False
+    if original is not current:
+        return True
+
+    def process_weights_after_loading(self: object, layer: object) -> None:
+        if not current_platform.is_cpu() or isinstance(layer, ParallelLMHead):
+            original(self, layer)
+            return
+        ref = weakref.ref(layer)  # no cycle through the layer's own attribute
+
+        def pack_then_run(x: object, weight: object, bias: object) -> object:
+            owner = ref()
+            dispatch(owner, remove_weight=False)  # replaces owner.cpu_linear with the packed kernel
+            return owner.cpu_linear(x, weight, bias)
+
+        layer.cpu_linear = pack_then_run  # type: ignore[attr-defined]
+
+    process_weights_after_loading._asyncrl_original = original  # type: ignore[attr-defined]
+    UnquantizedEmbeddingMethod.process_weights_after_loading = process_weights_after_loading
+    return True

@@ -94,3 +94,29 @@ def set_thread_niceness(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
+
+
+def release_free_heap() -> bool:
+    """Give the memory glibc's heap holds free back to the system (`malloc_trim(0)`), e.g. once a
+    weight round's receive buffers are freed: glibc raises its mmap threshold to the size of the
+    largest block freed (up to 32 MiB), so a round's bucket-sized buffers come from the heap, and
+    what they leave behind stays resident (an engine then grows a little with every reload).
+    Returns whether it ran (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _LIBC = ctypes.CDLL(name) if name else False
+        except OSError:
+            _LIBC = False
+    trim = getattr(_LIBC, "malloc_trim", None) if _LIBC else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+_LIBC: object | None = None

@@ -35,13 +35,15 @@ gather/export of the tensors; pack: flattening them into buckets (and host-to-de
 the WeightStore's host copy; fingerprint: sampling the integrity fingerprint; wire: bucket headers
 and the collectives; end: the end header; ack_wait: waiting for every member's ack; publish:
 handing the store copy to the publisher."""
-RECEIVER_PHASES = ("enter", "header_wait", "wire", "sample", "load", "retie", "check", "ack", "finalize", "readback")
+RECEIVER_PHASES = ("enter", "header_wait", "wire", "sample", "load", "retie", "check", "ack", "finalize", "readback",
+                   "trim")
 """enter: joining the generation and waiting for the round to start; header_wait: polling each
 bucket's header; wire: the bucket's buffer and its collective; sample: the fingerprint's elements
 of what arrived; load: the engine taking the tensors (vLLM's reload); retie: a tied head re-pointed
 at the reloaded embedding and re-processed (the CPU build repacks it); check: the wire fingerprint;
 ack; finalize: the native path's `finish_weight_update` (finalise the layer-wise reload, re-tie);
-readback: the loaded model's parameters against what arrived."""
+readback: the loaded model's parameters against what arrived; trim: the engine giving the round's
+freed buffers back to the system (`asyncrl.small_machine.process.release_free_heap`)."""
 ENGINE_PHASES = ("pause", "round", "recover", "reset_cache", "resume")
 """The engine around a round (`PolicyEngine._paused`, plus `total`): pausing generation, the
 round (the receiver's phases happen inside it, in the worker), reloading the store's version after
