@@ -13,7 +13,9 @@ Proves:
   covered exactly, and every exported tensor equals the stored one bit for bit (a wrong gate/up order
   or a transposed expert would not);
 - the role split's parameter count from config.json equals the model's (`param_count`);
-- LoRA on the hybrid MoE policy is refused by name.
+- LoRA on the hybrid MoE policy is refused by name, and so is a MoE policy with CPU rollout engines
+  (vLLM 0.32's CPU MoE kernel does not follow reloaded experts: test_qwen3_5_engine.py's xfail), not a
+  dense one nor a MoE one with GPU engines.
 """
 
 from __future__ import annotations
@@ -116,3 +118,20 @@ def test_lora_on_the_moe_policy_is_refused(ckpts) -> None:
 
     with pytest.raises(ValueError, match="hybrid linear-attention policy"):
         refuse_hybrid_lora(_load(ckpts["text"], False))
+
+
+def test_moe_with_cpu_engines_is_refused(ckpts) -> None:
+    from types import SimpleNamespace
+
+    from asyncrl.learner.build import refuse_cpu_moe_sync
+
+    def cfg(gpus: int):
+        return SimpleNamespace(rollout=SimpleNamespace(gpus_per_actor=gpus, num_actors=1))
+
+    moe = _load(ckpts["text"], False)
+    with pytest.raises(ValueError, match=r"Mixture-of-Experts policy \(4 expert layers\) with CPU rollout engines"):
+        refuse_cpu_moe_sync(moe, cfg(0))
+    refuse_cpu_moe_sync(moe, cfg(1))  # GPU engines: not refused
+    from transformers import AutoModelForCausalLM
+
+    refuse_cpu_moe_sync(AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "tiny-policy"), cfg(0))  # dense
