@@ -61,7 +61,9 @@ VERIFIER_PROBLEM_KEY = "verifier_problem"
 """Optional dataset column: the problem text the (text-only) verifier reads instead of the
 policy's text (e.g. arith_vl's figure caption). Absent = Guided-GRPO's behaviour."""
 _warned_no_placeholder = False
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+"""`model_type`s served as VL policies. Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) reuses Qwen3-VL's processor,
+placeholders and `get_rope_index`; its text-only checkpoints say `qwen3_5_text` / `qwen3_5_moe_text`."""
 
 
 # ------------------------------------------------------------------------------------ model config

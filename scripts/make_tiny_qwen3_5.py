@@ -2,6 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_tiny_qwen3_5.py --out /tmp/tiny-qwen3_5
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_tiny_qwen3_5.py --vl --out /tmp/tiny-qwen3_5-vl
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/make_tiny_qwen3_5.py --moe --out /tmp/tiny-qwen3_5-moe
 
 Shape (both): 4 text layers, hybrid as Qwen3.5 is: `layer_types` = 3 Gated DeltaNet
 (`linear_attention`) layers then 1 `full_attention` layer (transformers' default interval of 4);
@@ -9,7 +10,9 @@ hidden 64, 4 query / 2 KV heads of 64, linear attention 2 key / 4 value heads of
 MLP 128, untied embeddings (vLLM's CPU build does not refresh a tied head after a reload:
 MACHINE_NOTES), float32. `--vl` adds a 2-block vision tower (hidden 32, patch 16, merge 2) and saves
 `Qwen3_5ForConditionalGeneration` (how real Qwen3.5 checkpoints ship, text-only use included);
-without it, `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`).
+without it, `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`). `--moe` makes the Qwen3.5-MoE variant
+(`Qwen3_5MoeForCausalLM`, with `--vl` `Qwen3_5MoeForConditionalGeneration`): every layer's MLP is a sparse
+block of 4 routed experts (top 2, expert MLP 32) plus a gated shared expert (MLP 32), as Qwen3.5-MoE's.
 
 Tokenizer: the quick start's (assets/tiny-policy, a 384-token BPE) with Qwen3.5's special tokens
 added (`<|vision_start|> <|vision_end|> <|image_pad|> <|video_pad|>`, and `<think> </think>` as plain
@@ -69,8 +72,12 @@ def build_tokenizer(out: Path):
     return tok
 
 
-def text_config(tok) -> dict:
-    return dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def text_config(tok, moe: bool = False) -> dict:
+    extra = dict(MOE) if moe else {}
+    return dict(**extra, vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
                 layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=1024,
@@ -78,14 +85,15 @@ def text_config(tok) -> dict:
                 bos_token_id=None, dtype="float32")
 
 
-def build(out: Path, vl: bool, seed: int) -> None:
+def build(out: Path, vl: bool, seed: int, moe: bool = False) -> None:
     import torch
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForCausalLM,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5TextConfig,
-    )
+    import transformers
+
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    Qwen3_5Config = getattr(transformers, f"{prefix}Config")  # noqa: N806 (a class)
+    Qwen3_5TextConfig = getattr(transformers, f"{prefix}TextConfig")  # noqa: N806
+    Qwen3_5ForCausalLM = getattr(transformers, f"{prefix}ForCausalLM")  # noqa: N806
+    Qwen3_5ForConditionalGeneration = getattr(transformers, f"{prefix}ForConditionalGeneration")  # noqa: N806
 
     if out.exists():
         shutil.rmtree(out)
@@ -95,7 +103,7 @@ def build(out: Path, vl: bool, seed: int) -> None:
     if vl:
         ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
         cfg = Qwen3_5Config(
-            text_config=text_config(tok),
+            text_config=text_config(tok, moe),
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                                spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
                                num_position_embeddings=64),
@@ -104,7 +112,7 @@ def build(out: Path, vl: bool, seed: int) -> None:
             tie_word_embeddings=False)
         model = Qwen3_5ForConditionalGeneration(cfg)
     else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(tok)))
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(tok, moe)))
     model.to(torch.float32).save_pretrained(out)
     if vl:
         from transformers import Qwen3VLProcessor
@@ -124,9 +132,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--vl", action="store_true", help="with a vision tower (Qwen3_5ForConditionalGeneration)")
+    p.add_argument("--moe", action="store_true", help="the Qwen3.5-MoE variant (4 routed experts, top 2, + a shared one)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    build(Path(a.out), a.vl, a.seed)
+    build(Path(a.out), a.vl, a.seed, a.moe)
 
 
 if __name__ == "__main__":

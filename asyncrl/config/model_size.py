@@ -23,8 +23,11 @@ size d, I the MLP width, V the vocabulary):
 The vision tower (VL models) counts its blocks (4*h^2 + 4*h attention, MLP 3*h*I for Qwen2.5-VL's
 gated one, 2*h*I + I + h for Qwen3-VL's) and its patch embedding and merger; the unit tests check
 the whole count against transformers' own classes built on the meta device (within 1 %).
-Linear-attention layers (Qwen3.5 / Qwen3-Next `layer_types`) are counted as attention layers for
-the weights (an approximation, documented) and hold no per-token KV cache.
+Hybrid models (Qwen3.5 / Qwen3-Next, `layer_types`): a `linear_attention` layer has a Gated DeltaNet
+mixer instead of q/k/v/o (n_k key / n_v value heads of d_k / d_v, conv kernel K; C = 2*n_k*d_k + n_v*d_v):
+H*C + H*n_v*d_v + 2*H*n_v (in_proj_qkv, _z, _b, _a) + C*K (conv1d) + 2*n_v (dt_bias, A_log) + d_v (gated
+norm) + n_v*d_v*H (out_proj), and holds no per-token KV cache; their full-attention layers' q_proj
+is twice as wide (it also emits the output gate).
 
 KV bytes per token = 2 (K and V) * full-attention layers * n_kv * d * dtype bytes.
 """
@@ -70,10 +73,23 @@ def _vision_params(v: dict[str, Any], out_hidden: int) -> int:
     qwen3 = "deepstack_visual_indexes" in v or "num_position_embeddings" in v
     mlp = 2 * h * inter + inter + h if qwen3 else 3 * h * inter
     block = 4 * h * h + 4 * h + mlp + 4 * h  # qkv + proj (with biases), MLP, two norms
-    merger = merged * merged + merged + merged * out_hidden + out_hidden + 2 * merged
-    mergers = 1 + len(v.get("deepstack_visual_indexes") or [])
+    merger = merged * merged + merged + merged * out_hidden + out_hidden  # two linears
+    deepstack = len(v.get("deepstack_visual_indexes") or [])
     pos = v.get("num_position_embeddings", 0) * h
-    return depth * block + patch + pos + mergers * merger
+    if qwen3:  # patch bias; the main merger's norm is over h (before the 2x2 shuffle), deepstack's over merged
+        return depth * block + patch + h + pos + merger + 2 * h + deepstack * (merger + 2 * merged)
+    return depth * block + patch + pos + merger + 2 * merged
+
+
+def _gated_deltanet_params(t: dict[str, Any]) -> int:
+    """One Gated DeltaNet (linear-attention) layer's mixer, as transformers' Qwen3.5 builds it."""
+    h, kernel = t["hidden_size"], t.get("linear_conv_kernel_dim", 4)
+    n_v = t["linear_num_value_heads"]
+    dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
+    key, value = t["linear_num_key_heads"] * dk, n_v * dv
+    conv = 2 * key + value
+    return (h * conv + h * value + 2 * h * n_v  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+            + conv * kernel + 2 * n_v + dv + value * h)  # conv1d, dt_bias + A_log, gated norm, out_proj
 
 
 def param_count(cfg: dict[str, Any]) -> int:
@@ -89,6 +105,8 @@ def param_count(cfg: dict[str, Any]) -> int:
         attn += (n_q + 2 * n_kv) * d
     if model_type.startswith("qwen3"):
         attn += 2 * d
+    if model_type.startswith(("qwen3_5", "qwen3_next")):
+        attn += h * n_q * d  # gated attention: q_proj also emits the output gate
     experts = t.get("num_experts") or t.get("n_routed_experts") or 0
     if experts:
         mlp = experts * 3 * h * t["moe_intermediate_size"] + h * experts
@@ -97,7 +115,11 @@ def param_count(cfg: dict[str, Any]) -> int:
     else:
         mlp = 3 * h * t["intermediate_size"]
     tied = cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
-    total = vocab * h * (1 if tied else 2) + layers * (attn + mlp + 2 * h) + h
+    types = t.get("layer_types") or []
+    linear = sum(1 for k in types if k == "linear_attention")
+    total = vocab * h * (1 if tied else 2) + layers * (mlp + 2 * h) + (layers - linear) * attn + h
+    if linear:
+        total += linear * _gated_deltanet_params(t)
     if cfg.get("vision_config"):
         total += _vision_params(cfg["vision_config"], cfg["vision_config"].get("out_hidden_size", h))
     return int(total)

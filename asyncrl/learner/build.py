@@ -28,7 +28,7 @@ from asyncrl.config import Config, LearnerConfig
 from asyncrl.learner.ops import pin_toolchain
 
 __all__ = ["build_ds_config", "lr_factor", "Distributed", "init_distributed", "PolicyModels", "load_policy",
-           "apply_lora", "TrainEngine", "build_engine"]
+           "apply_lora", "refuse_cpu_moe_sync", "TrainEngine", "build_engine"]
 
 
 def build_ds_config(lc: LearnerConfig, world_size: int, precision: str) -> dict[str, Any]:
@@ -137,6 +137,24 @@ def refuse_hybrid_lora(model: Any) -> None:
                          "run here (docs/models.md#qwen35); train the full model (model.lora.enable=false)")
 
 
+def refuse_cpu_moe_sync(model: Any, cfg: Config) -> None:
+    """A Mixture-of-Experts policy with CPU rollout engines is refused, by name: vLLM 0.32's CPU build
+    prepacks expert weights for its MoE kernel (`cpu_prepack_moe_weight`,
+    vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:208), and after an in-place reload its
+    engine follows neither the previous experts nor the sent ones (seen on Qwen3.5-MoE:
+    tests/integration/test_qwen3_5_engine.py); the read-back cannot see it (the fused expert tensors have
+    no 1:1 checkpoint counterpart), so every sync would leave the engines silently on wrong experts."""
+    if cfg.rollout.gpus_per_actor > 0 or cfg.rollout.num_actors == 0:
+        return
+    experts = {n.split(".mlp.experts.")[0] for n, _ in model.named_parameters() if ".mlp.experts." in n}
+    if experts:
+        raise ValueError(f"a Mixture-of-Experts policy ({len(experts)} expert layers) with CPU rollout engines "
+                         "(rollout.gpus_per_actor=0): vLLM 0.32's CPU build does not take reloaded expert weights "
+                         "(its CPU MoE kernel prepacks them: vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:208), "
+                         "so weight syncs would leave the engines on wrong experts; run the rollout on GPUs "
+                         "(docs/models.md#qwen35)")
+
+
 def apply_lora(model: Any, lora: Any, base_path: str) -> Any:
     """Wrap `model` in a PEFT LoRA model (`model.lora`): the base is frozen, only `lora_A` /
     `lora_B` train. `lora_B` starts at zero (PEFT's default), so version 0 is the base model exactly
@@ -173,6 +191,7 @@ def load_policy(cfg: Config, device: torch.device, dtype: torch.dtype) -> Policy
         model = load_vl_model(path, **load_kw)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **load_kw)
+    refuse_cpu_moe_sync(model, cfg)
     model.config.use_cache = False
     model.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
     has_dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) or any(

@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.weights.adapter import is_adapter_param, peft_saved_name
 
-__all__ = ["WeightExport", "hf_param_name"]
+__all__ = ["WeightExport", "hf_param_name", "split_fused_experts", "stores_per_expert"]
 
 
 class WeightExport:
@@ -55,6 +55,7 @@ class WeightExport:
         if rename("model.x") != "model.x":
             items = [(n if self.lora else rename(n), t) for n, t in items]
             self._checkpoint_rename = rename
+        split = not self.lora and stores_per_expert(self.cfg.model.path)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
 
@@ -62,14 +63,18 @@ class WeightExport:
             numel = t.ds_numel if hasattr(t, "ds_numel") else t.numel()
             return int(numel) * t.element_size()
 
+        def emit(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for out in self._emit_bucket(bucket, zero3):
+                yield split_fused_experts(out) if split else out
+
         for name, tensor in items:
             bucket.append((name, tensor))
             size += full_bytes(tensor)
             if size >= bucket_bytes:
-                yield from self._emit_bucket(bucket, zero3)
+                yield from emit(bucket)
                 bucket, size = [], 0
         if bucket:
-            yield from self._emit_bucket(bucket, zero3)
+            yield from emit(bucket)
 
     def _warm_zero3_export(self) -> None:
         """The first gather after deepspeed.initialize under ZeRO-3 can return uninitialised
@@ -145,3 +150,48 @@ def _lora_layer(module: Any, name: str) -> Any:
         return None
     layer = module.get_submodule(name[: -len(suffix)])
     return layer if hasattr(layer, "get_delta_weight") and "default" in getattr(layer, "lora_A", {}) else None
+
+
+def stores_per_expert(model_path: str) -> bool:
+    """Whether the checkpoint at `model_path` keeps its MoE experts one by one
+    (`...mlp.experts.0.gate_proj.weight`), the layout transformers 5 saves for Qwen2/Qwen3/Qwen3.5-MoE
+    while its modules hold them fused (`...mlp.experts.gate_up_proj`, experts x 2I x H). Only the
+    safetensors headers are read; no checkpoint or an unreadable one: False (names go as they are)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = json.loads(index.read_text()).get("weight_map", {})
+        elif (root / "model.safetensors").is_file():
+            with safe_open(str(root / "model.safetensors"), "pt") as f:
+                names = list(f.keys())
+        else:
+            return False
+    except (OSError, ValueError):
+        return False
+    return any(".mlp.experts.0." in n for n in names)
+
+
+def split_fused_experts(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Fused expert tensors under the checkpoint's per-expert names, which the engine resolves
+    (`reload_weights(..., is_checkpoint_format=True)` maps those onto its own fused MoE weights):
+    `P.gate_up_proj` (E, 2I, H) -> `P.{e}.gate_proj.weight` = [e, :I] and `P.{e}.up_proj.weight` = [e, I:]
+    (transformers concatenates gate then up), `P.down_proj` (E, H, I) -> `P.{e}.down_proj.weight` = [e].
+    Views, no copies; every other tensor passes unchanged."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in items:
+        if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
+            prefix, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out += [(f"{prefix}{e}.gate_proj.weight", t[e, :inter]), (f"{prefix}{e}.up_proj.weight", t[e, inter:])]
+        elif name.endswith(".mlp.experts.down_proj") and t.dim() == 3:
+            prefix = name.removesuffix("down_proj")
+            out += [(f"{prefix}{e}.down_proj.weight", t[e]) for e in range(t.shape[0])]
+        else:
+            out.append((name, t))
+    return out

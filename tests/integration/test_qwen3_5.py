@@ -10,7 +10,9 @@ Proves, on CPU with transformers' reference PyTorch kernels for the linear-atten
   what the engine resolves; the text checkpoint's names map to themselves;
 - multi-turn stays token-exact with the Qwen3.5-style template, whose re-rendering of assistant history
   drops `<think>` content: the ids the engine saw are the ids trained on, while a re-tokenised
-  rendering of the same conversation differs (the drift asyncrl avoids);
+  rendering of the same conversation differs (the drift asyncrl avoids); and token-exact with vLLM's
+  shipped ChatML template, the closest one installed (Qwen3.5's real template is on the hub, not
+  reachable offline; the builder's template reproduces its history rule, not its bytes);
 - LoRA on a hybrid policy is refused by name.
 """
 
@@ -96,10 +98,22 @@ def test_text_trainer_on_the_vl_checkpoint_maps_names(ckpts) -> None:
     assert checkpoint_name_map(str(ckpts["text"]), names)("model.x") == "model.x"
 
 
-def test_token_exact_multi_turn_with_the_template(ckpts) -> None:
+def shipped_chatml() -> str:
+    """vLLM's own ChatML template (`vllm/transformers_utils/chat_templates/template_chatml.jinja`): the
+    closest template to Qwen3.5's that ships in the installed packages (same `<|im_start|>role ... <|im_end|>`
+    turns; no reasoning handling). Qwen3.5's real template is on the hub, which is not reachable here."""
+    import vllm
+
+    return (Path(vllm.__file__).parent / "transformers_utils" / "chat_templates" / "template_chatml.jinja").read_text()
+
+
+@pytest.mark.parametrize("template", ["qwen3_history_rule", "vllm_chatml"])
+def test_token_exact_multi_turn_with_the_template(ckpts, template: str) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpts["text"])
+    if template == "vllm_chatml":
+        tok.chat_template = shipped_chatml()
     chat = PolicyChat(tok)
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     texts = ["<think>3 * 4 first</think>3 * 4 = 12. Right?", "<answer>\\boxed{14}</answer>"]
@@ -123,6 +137,8 @@ def test_token_exact_multi_turn_with_the_template(ckpts) -> None:
     for ctx, ids in zip(seen, sampled, strict=True):
         assert trained[:len(ctx)] == ctx and trained[len(ctx):len(ctx) + len(ids)] == ids
     assert seen[1][:len(seen[0]) + len(sampled[0])] == seen[0] + sampled[0]  # append-only across turns
+    if template == "vllm_chatml":  # keeps history as sent: nothing to drift from by rule
+        return
     # the template re-renders the first assistant turn without its reasoning: re-tokenising drifts
     rerendered = chat.encode_text(chat.render(conv.messages(), add_generation_prompt=False))
     assert rerendered != trained and "3 * 4 first" not in tok.decode(rerendered)

@@ -1,6 +1,8 @@
 """Proves that the role split's model size is right: the parameter-count formula of
 `asyncrl.config.model_size` equals transformers' own classes (built on the meta device, no memory)
-for every entry of the known-model table (dense, MoE, Qwen2.5-VL and Qwen3-VL towers) to 0.01 %,
+for every entry of the known-model table (dense, MoE, Qwen2.5-VL and Qwen3-VL towers) to 0.01 %, and
+exactly for the hybrid Qwen3.5 family (Gated DeltaNet layers; dense and MoE, text and VL classes, at
+transformers' default shapes),
 a local checkpoint's config.json is read (its dtype and KV shape), a linear-attention layer holds
 no KV, and an unknown hub id has no size; the config package still imports without torch."""
 
@@ -42,6 +44,18 @@ def test_formula_equals_transformers_parameter_count(model_id: str) -> None:
     assert abs(param_count(entry) - n) <= 1e-4 * n, (param_count(entry), n)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"])
+def test_formula_equals_transformers_for_qwen3_5(model_type: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = AutoConfig.for_model(model_type)  # transformers' defaults: 3 linear-attention layers per attention one
+    cls = AutoModelForCausalLM if model_type.endswith("_text") else AutoModelForImageTextToText
+    with torch.device("meta"):
+        model = cls.from_config(cfg)
+    assert param_count(cfg.to_dict()) == sum(p.numel() for p in model.parameters())
+
+
 def test_published_sizes() -> None:
     # the model cards' counts: Qwen2.5-VL-32B 33.5B, Qwen3-VL-30B-A3B 31.1B, Qwen2.5-7B 7.61B
     sizes = {m: param_count(KNOWN_MODELS[m]) / 1e9 for m in KNOWN_MODELS}
@@ -67,6 +81,8 @@ def test_local_checkpoint_config_is_read(tmp_path: Path) -> None:
 def test_linear_attention_layers_hold_no_kv() -> None:
     cfg = {"model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 100,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128,
            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]}
     assert size_from_config(cfg, "t").kv_bytes_per_token == 2 * 1 * 2 * 16 * 2  # one full-attention layer
 
