@@ -47,7 +47,9 @@ def test_verifier_engine_is_tensor_parallel_over_its_replica_gpus():
     assert verifier_engine_args(cfg, model, on_gpu=False).tensor_parallel_size == 1  # the CPU build: one worker
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("qwen*.yaml")), ids=lambda p: p.name)
+# qwen*_tiny.yaml are CPU configs of tiny random models (issue 49's end-to-end tests), not GPU recipes.
+@pytest.mark.parametrize("path", [p for p in sorted((ROOT / "configs").glob("qwen*.yaml")) if "tiny" not in p.name],
+                         ids=lambda p: p.name)
 def test_gpu_recipes_allow_a_cold_start_and_a_shared_model_dir(path: Path):
     cfg = load_config(str(path), [])
     assert cfg.learner.num_gpus > 0 and cfg.cluster.startup_timeout_s >= 1800
